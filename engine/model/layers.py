@@ -1,0 +1,76 @@
+"""Small building blocks: Linear, RMSNorm, rotary tables (reference/dsv4-architecture.md §3, §3.6)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.ops import Ops
+
+
+def _param(shape, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ weight^T`` through ``ops.linear``; weight ``[out, in]`` in ``dtype``."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Ops):
+        super().__init__()
+        self.weight = _param((out_features, in_features), dtype)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)``; weight kept in fp32, math in fp32, output in x.dtype."""
+
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = _param((dim,), torch.float32)
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float, original_max_pos: int, beta_fast: float,
+                  beta_slow: float) -> torch.Tensor:
+    """YaRN inverse frequencies for ``dim`` rope dims, no mscale (§3.6; YaRN paper, arXiv 2309.00071).
+
+    Pairs below the ``beta_fast`` correction dim keep ``base^(-2i/dim)``, pairs above the
+    ``beta_slow`` one are divided by ``factor``, and a linear ramp blends in between.
+    Returns ``[dim/2]`` fp32.
+    """
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(original_max_pos / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+class RotaryTable:
+    """cos / sin of ``position * inv_freq`` in fp32 for one rope kind (main or compress)."""
+
+    def __init__(self, rope_dim: int, theta: float, yarn: dict | None = None):
+        if yarn is None:
+            self.inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+        else:
+            self.inv_freq = yarn_inv_freq(rope_dim, theta, yarn["factor"], yarn["original_max_position_embeddings"],
+                                          yarn["beta_fast"], yarn["beta_slow"])
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions ``[T]`` int64 -> (cos, sin) ``[T, r/2]`` fp32."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)
+        return freqs.cos(), freqs.sin()

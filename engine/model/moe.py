@@ -1,0 +1,81 @@
+"""Mixture of experts: hash / score-routed gate, routed experts, shared expert (§3.7).
+
+Letters: T tokens, H hidden, E routed experts, I expert width, k experts per token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelArgs
+from engine.model.layers import Linear, _param
+from engine.ops import Ops
+
+
+class Gate(nn.Module):
+    """Router. Hash layers pick ``tid2eid[token]``; others top-k of ``sqrtsoftplus + bias``.
+
+    The router runs in fp32 (§5 row 1, the NPU A3 choice; HF runs it in bf16 when in bf16).
+    """
+
+    def __init__(self, args: ModelArgs, hash_layer: bool, ops: Ops):
+        super().__init__()
+        self.k, self.scale, self.ops = args.num_experts_per_tok, args.routed_scaling_factor, ops
+        self.weight = _param((args.n_routed_experts, args.hidden_size), torch.float32)
+        if hash_layer:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.k, dtype=torch.long))
+            self.bias = None
+        else:
+            self.bias = _param((args.n_routed_experts,), torch.float32)
+            self.tid2eid = None
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, H]``, tokens ``[T]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
+        logits = F.linear(x.float(), self.weight)                                 # [T, E]
+        hash_ids = self.tid2eid[tokens] if self.tid2eid is not None else None
+        return self.ops.gating_topk(logits, self.bias, hash_ids, self.k, self.scale)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: ``w1``/``w3`` ``[E, I, H]`` (gate / up), ``w2`` ``[E, H, I]`` (down)."""
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype):
+        super().__init__()
+        E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
+        self.w1 = _param((E, I, H), dtype)
+        self.w3 = _param((E, I, H), dtype)
+        self.w2 = _param((E, H, I), dtype)
+
+
+class MLP(nn.Module):
+    """Shared expert: ``w2(silu(min(w1 x, limit)) * clamp(w3 x, +-limit))``."""
+
+    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype, ops: Ops):
+        super().__init__()
+        self.w1 = Linear(dim, inter, dtype, ops)
+        self.w2 = Linear(inter, dim, dtype, ops)
+        self.w3 = Linear(dim, inter, dtype, ops)
+        self.limit, self.ops = limit, ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.ops.swiglu_clamp(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    """``sum_e w_e * expert_e(x) + shared(x)`` (§3.7)."""
+
+    def __init__(self, args: ModelArgs, hash_layer: bool, dtype: torch.dtype, ops: Ops):
+        super().__init__()
+        self.limit, self.ops = args.swiglu_limit, ops
+        self.gate = Gate(args, hash_layer, ops)
+        self.experts = Experts(args, dtype)
+        inter = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = MLP(args.hidden_size, inter, args.swiglu_limit, dtype, ops) if inter else None
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]``."""
+        weights, ids = self.gate(x, tokens)
+        e = self.experts
+        y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y

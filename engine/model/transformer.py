@@ -1,0 +1,148 @@
+"""DeepSeek-V4 network: decoder block with mHC, the trunk, the MTP block (§3.1, §3.2, §3.8).
+
+Parameter names equal the original checkpoint's tensor names (reference §2.2), so loading is a
+name lookup. Letters: T tokens, n mHC streams, H hidden, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelArgs
+from engine.model.attention import Attention
+from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
+from engine.model.moe import MoE
+from engine.ops import REFERENCE, Ops
+from engine.state import LayerState, SequenceState
+
+
+class Block(nn.Module):
+    """One decoder layer: mHC around attention and around MoE (§3.2)."""
+
+    def __init__(self, args: ModelArgs, ratio: int, hash_layer: bool, rope: RotaryTable, dtype: torch.dtype,
+                 ops: Ops):
+        super().__init__()
+        H, n = args.hidden_size, args.hc_mult
+        mix = (2 + n) * n
+        self.args, self.ops = args, ops
+        self.attn_norm = RMSNorm(H, args.rms_norm_eps, ops)
+        self.attn = Attention(args, ratio, rope, dtype, ops)
+        self.ffn_norm = RMSNorm(H, args.rms_norm_eps, ops)
+        self.ffn = MoE(args, hash_layer, dtype, ops)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", _param((mix, n * H), torch.float32))
+            setattr(self, f"hc_{site}_base", _param((mix,), torch.float32))
+            setattr(self, f"hc_{site}_scale", _param((3,), torch.float32))
+
+    def _hc_pre(self, X: torch.Tensor, site: str):
+        a = self.args
+        return self.ops.hc_pre(X, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
+                               getattr(self, f"hc_{site}_base"), a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
+
+    def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start_pos: int,
+                state: LayerState, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """X ``[T, n, H]`` -> ``[T, n, H]``."""
+        y, post, comb = self._hc_pre(X, "attn")
+        a = self.attn(self.attn_norm(y), positions, start_pos, state, cos, sin)
+        X = self.ops.hc_post(a, X, post, comb)
+        y, post, comb = self._hc_pre(X, "ffn")
+        m = self.ffn(self.ffn_norm(y), tokens)
+        return self.ops.hc_post(m, X, post, comb)
+
+
+def _add_hc_head(module: nn.Module, args: ModelArgs) -> None:
+    n = args.hc_mult
+    module.hc_head_fn = _param((n, n * args.hidden_size), torch.float32)
+    module.hc_head_base = _param((n,), torch.float32)
+    module.hc_head_scale = _param((1,), torch.float32)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction layer (§3.8): window-only block on ``e_proj(enorm(emb)) + h_proj(hnorm(h))``."""
+
+    def __init__(self, args: ModelArgs, rope: RotaryTable, dtype: torch.dtype, ops: Ops):
+        super().__init__(args, 0, False, rope, dtype, ops)
+        H = args.hidden_size
+        self.enorm = RMSNorm(H, args.rms_norm_eps, ops)
+        self.hnorm = RMSNorm(H, args.rms_norm_eps, ops)
+        self.norm = RMSNorm(H, args.rms_norm_eps, ops)
+        self.e_proj = Linear(H, H, dtype, ops)
+        self.h_proj = Linear(H, H, dtype, ops)
+        _add_hc_head(self, args)
+
+    def forward_mtp(self, emb_next: torch.Tensor, h_main: torch.Tensor, tokens_next: torch.Tensor,
+                    positions: torch.Tensor, start_pos: int, state: LayerState, cos, sin) -> torch.Tensor:
+        """emb_next ``[T, H]`` (embedding of token t+1), h_main ``[T, H]`` (normed trunk output) -> ``[T, H]``."""
+        a = self.args
+        z = self.e_proj(self.enorm(emb_next)) + self.h_proj(self.hnorm(h_main))
+        X = z.unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = self.forward(X, tokens_next, positions, start_pos, state, cos, sin)
+        h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
+        return self.norm(h)
+
+
+class Transformer(nn.Module):
+    """The DeepSeek-V4 trunk + LM head (+ MTP blocks). Built empty; ``engine.weights`` fills it.
+
+    Args:
+        args: checkpoint config. dtype: compute dtype (fp32 or bf16); norms, mHC, sinks, ape,
+            router and compressor weights stay fp32 (§5). ops: the op table (seam).
+    """
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, ops: Ops = REFERENCE):
+        super().__init__()
+        self.args, self.dtype, self.ops = args, dtype, ops
+        r = args.qk_rope_head_dim
+        self.rope_main = RotaryTable(r, args.rope_theta)
+        self.rope_compress = RotaryTable(r, args.compress_rope_theta, args.rope_scaling)
+        self.embed = nn.Module()
+        self.embed.weight = _param((args.vocab_size, args.hidden_size), dtype)
+        self.layers = nn.ModuleList(
+            Block(args, args.compress_ratios[i], args.is_hash_layer(i), self._rope(args.compress_ratios[i]), dtype, ops)
+            for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
+        self.head = Linear(args.hidden_size, args.vocab_size, dtype, ops)
+        _add_hc_head(self, args)
+        self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
+
+    def _rope(self, ratio: int) -> RotaryTable:
+        """Window-only layers use the main rope; CSA / HCA the YaRN compress rope (§3.3 step 3)."""
+        return self.rope_compress if ratio else self.rope_main
+
+    def new_state(self, with_mtp: bool = False) -> SequenceState:
+        """Empty per-request decode state matching this model."""
+        return SequenceState.new(self.args, self.dtype, self.embed.weight.device, with_mtp)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
+        """Run ``tokens`` (the next ``T`` tokens of the sequence) and advance ``state``.
+
+        Args:
+            tokens: ``[T]`` int64 token ids at positions ``state.num_tokens ..``.
+            state: the sequence's decode state (from ``new_state``); updated in place.
+        Returns:
+            ``[T, H]`` final hidden states (after hc_head and the final norm), compute dtype.
+        Raises:
+            ValueError: empty ``tokens`` or a position beyond ``max_position_embeddings``.
+        """
+        T = tokens.shape[0]
+        start = state.num_tokens
+        if T == 0:
+            raise ValueError("forward: tokens must be non-empty")
+        if start + T > self.args.max_position_embeddings:
+            raise ValueError(f"forward: position {start + T} exceeds max_position_embeddings "
+                             f"{self.args.max_position_embeddings}")
+        a = self.args
+        positions = torch.arange(start, start + T, device=tokens.device)
+        main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
+        X = F.embedding(tokens, self.embed.weight).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        for layer, st in zip(self.layers, state.layers):
+            X = layer(X, tokens, positions, start, st, *(compress if layer.attn.ratio else main))
+        state.num_tokens = start + T
+        h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, H]`` -> logits ``[T, V]`` fp32."""
+        return self.head(hidden).float()

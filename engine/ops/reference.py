@@ -1,0 +1,362 @@
+"""Pure-torch reference ops: the numerics contract of the model (reference/dsv4-architecture.md §3).
+
+Each function is one fused op of the NPU port (§8.1) written as plain math. They must match HF
+transformers 5.23.0 ``DeepseekV4ForCausalLM`` in fp32; in bf16 they keep the precision choices of
+§5 (fp32 router, compressor pooling, mHC, norms, RoPE tables, softmax). Memory stays linear in the
+number of query tokens: attention and indexer work on query chunks, never on an L x L matrix.
+
+Letters: T query tokens, H hidden, h heads, d head dim, r rope dims (trailing), N kv entries,
+k selected entries, E experts, I expert width, n mHC streams (hc_mult), m compress ratio.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# Query-chunk budget: elements of one score block (T_chunk x h x keys) kept in fp32.
+SCORE_BUDGET = 1 << 23
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last dim, computed in fp32 (§3 notation).
+
+    Args:
+        x: ``[..., D]`` any float dtype. weight: ``[D]`` or None (unweighted, e.g. q_b_norm).
+    Returns:
+        ``[..., D]`` in ``x.dtype``.
+    """
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = weight.float() * y
+    return y.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved partial RoPE on the trailing ``r = 2 * cos.shape[-1]`` dims (§3.6).
+
+    Pairs ``(x[D-r+2i], x[D-r+2i+1])`` rotate by angle ``theta_i * p``; pass ``-sin`` for the
+    inverse rotation applied to the attention output (§3.3 step 7).
+
+    Args:
+        x: ``[T, D]`` or ``[T, h, D]``. cos, sin: ``[T, r/2]`` fp32.
+    Returns:
+        same shape and dtype as ``x``.
+    """
+    r = 2 * cos.shape[-1]
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    nope, pe = x[..., :-r], x[..., -r:].float()
+    even, odd = pe[..., 0::2], pe[..., 1::2]
+    rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rot.to(x.dtype)], dim=-1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` (no bias). x: ``[..., K]``; weight: ``[N, K]``; returns ``[..., N]`` in x.dtype.
+
+    The seam for quantised matmuls (FP8 block / W8A8 / MXFP4 kernels on devices).
+    """
+    return F.linear(x, weight.to(x.dtype))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal grouped output projection ``wo_a`` (§3.3 step 8).
+
+    Args:
+        x: ``[T, G, K]`` (group g holds heads g*h/G .. (g+1)*h/G - 1, flattened).
+        weight: ``[G * N, K]``; group g uses rows ``g*N .. g*N + N - 1``.
+    Returns:
+        ``[T, G, N]``.
+    """
+    T, G, K = x.shape
+    w = weight.to(x.dtype).view(G, -1, K)
+    return torch.einsum("tgk,gnk->tgn", x, w)
+
+
+# ---- mHC (§3.2) ------------------------------------------------------------------------------
+def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           norm_eps: float, hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC pre-mix: collapse n streams into the block input and build post / comb (§3.2).
+
+    Args:
+        X: ``[T, n, H]`` residual streams. fn: ``[(2+n)*n, n*H]`` fp32; scale ``[3]``; base ``[(2+n)*n]``.
+    Returns:
+        ``y [T, H]`` (X.dtype), ``post [T, n]`` fp32, ``comb [T, n, n]`` fp32 (rows = input
+        stream j, cols = output stream k; doubly stochastic after Sinkhorn).
+    """
+    T, n, H = X.shape
+    flat = X.reshape(T, n * H).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mix = F.linear(flat, fn.float())                                   # [T, (2+n)*n]
+    pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    y = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)                 # [T, H]
+    return y, post, comb
+
+
+def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC post-mix ``X'_k = post_k * f + sum_j comb[j, k] * X_j`` in fp32 (§3.2).
+
+    Args:
+        f: ``[T, H]`` block output; X: ``[T, n, H]``; post: ``[T, n]``; comb: ``[T, n, n]``.
+    Returns:
+        ``[T, n, H]`` in X.dtype.
+    """
+    out = post.unsqueeze(-1) * f.float().unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), X.float())
+    return out.to(X.dtype)
+
+
+def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_eps: float, hc_eps: float) -> torch.Tensor:
+    """Final stream collapse ``h = sum_j (sigmoid(mix_j * scale + base_j) + eps) X_j`` (§3.2 end).
+
+    X: ``[T, n, H]``; fn ``[n, n*H]``; scale ``[1]``; base ``[n]``. Returns ``[T, H]`` in X.dtype.
+    """
+    T, n, H = X.shape
+    flat = X.reshape(T, n * H).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
+
+
+# ---- compressor (§3.4) -----------------------------------------------------------------------
+def compressor(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: torch.Tensor,
+               norm_weight: torch.Tensor, norm_eps: float, state, start_pos: int,
+               cos: torch.Tensor, sin: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Streaming KV compressor: emits one entry per closed window of ``m`` tokens (§3.4).
+
+    HCA (``state.prev_kv is None``): entry i = softmax-pool over tokens ``m*i .. m*i+m-1``.
+    CSA (overlap): entry i pools 2m slots, ``Ca/Za`` of window i-1 then ``Cb/Zb`` of window i; for
+    i = 0 the previous slots have kv 0 and score -inf (weight 0). Projections, state, softmax and
+    pooling run in fp32; then RMSNorm and RoPE at position ``m*i``.
+
+    Args:
+        x: ``[T, H]`` normed block input for positions ``start_pos .. start_pos+T-1``.
+        wkv, wgate: ``[c*d, H]`` (c = 2 for CSA, 1 for HCA). ape: ``[m, c*d]`` fp32.
+        state: ``CompressorState`` for this sequence; updated in place.
+        cos, sin: ``[n_new, r/2]`` for the new entries' positions (see ``num_new_entries``).
+    Returns:
+        ``[n_new, d]`` new compressed entries in ``out_dtype``.
+    """
+    m, width = ape.shape
+    overlap = state.prev_kv is not None
+    d = width // 2 if overlap else width
+    T = x.shape[0]
+    xf = x.float()
+    kv = F.linear(xf, wkv.float())                                       # [T, c*d]
+    slot = (start_pos + torch.arange(T, device=x.device)) % m
+    score = F.linear(xf, wgate.float()) + ape.float()[slot]
+    r = start_pos % m
+    kv = torch.cat([state.kv[:r], kv])
+    score = torch.cat([state.score[:r], score])
+    n = (r + T) // m
+    rem = r + T - n * m
+    state.kv[:rem] = kv[n * m:]
+    state.score[:rem] = score[n * m:]
+    if n == 0:
+        return x.new_zeros((0, d), dtype=out_dtype)
+    ckv = kv[: n * m].view(n, m, width)
+    csc = score[: n * m].view(n, m, width)
+    if overlap:
+        prev_kv = torch.cat([state.prev_kv[None], ckv[:-1, :, :d]])      # [n, m, d]
+        prev_sc = torch.cat([state.prev_score[None], csc[:-1, :, :d]])
+        state.prev_kv.copy_(ckv[-1, :, :d])
+        state.prev_score.copy_(csc[-1, :, :d])
+        ckv = torch.cat([prev_kv, ckv[:, :, d:]], dim=1)                 # [n, 2m, d]
+        csc = torch.cat([prev_sc, csc[:, :, d:]], dim=1)
+    pooled = (ckv * csc.softmax(dim=1)).sum(dim=1)                       # [n, d]
+    out = rope(rms_norm(pooled, norm_weight, norm_eps), cos, sin)
+    return out.to(out_dtype)
+
+
+def num_new_entries(start_pos: int, num_tokens: int, ratio: int) -> int:
+    """Compressed entries emitted by tokens ``start_pos .. start_pos+num_tokens-1``: windows closed."""
+    return (start_pos + num_tokens) // ratio - start_pos // ratio
+
+
+# ---- lightning indexer (§3.5) ----------------------------------------------------------------
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                 ratio: int, topk: int, scale: float) -> torch.Tensor:
+    """Lightning-indexer top-k: ``score(p, i) = sum_h w_h * ReLU(q_h . K_i) * scale`` (§3.5).
+
+    Candidates are entries ``i < (p+1) // ratio``. Ties are broken towards the lower index, so the
+    selection is a pure function of the scores (independent of chunking and batch shape).
+
+    Args:
+        q: ``[T, h, dI]`` roped indexer queries; weights: ``[T, h]`` fp32 (already * h^-0.5);
+        keys: ``[N, dI]`` indexer keys; positions: ``[T]`` int64.
+    Returns:
+        ``[T, topk]`` int64 entry ids, ascending; ``-1`` pads rows with fewer candidates.
+    """
+    T = q.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
+    if keys.shape[0] == 0:
+        return out
+    step = max(1, SCORE_BUDGET // max(1, q.shape[1] * keys.shape[0]))
+    for t0 in range(0, T, step):
+        pos = positions[t0:t0 + step]
+        n_allowed = int((pos[-1] + 1) // ratio)
+        if n_allowed == 0:
+            continue
+        kf = keys[:n_allowed].float()
+        s = F.relu(torch.einsum("thd,nd->thn", q[t0:t0 + step].float(), kf)) * scale
+        s = (s * weights[t0:t0 + step].float().unsqueeze(-1)).sum(dim=1)   # [t, n]
+        allowed = torch.arange(n_allowed, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
+        s = s.masked_fill(~allowed, float("-inf"))
+        out[t0:t0 + step] = _topk_low_index(s, allowed, topk)
+    return out
+
+
+def _topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``s [t, n]``: ids of the k largest allowed scores, ties -> lower id; -1 padded."""
+    t, n = s.shape
+    ids = torch.arange(n, device=s.device).expand(t, n)
+    if n > k:
+        thr = s.topk(k, dim=-1).values[:, -1:]
+        above = s > thr
+        tied = (s == thr) & allowed
+        take = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+    else:
+        take = allowed
+    key = torch.where(take, ids, ids + n)
+    kk = min(k, n)
+    sel = key.topk(kk, dim=-1, largest=False, sorted=True).values
+    sel = torch.where(sel < n, sel, torch.full_like(sel, -1))
+    if kk < k:
+        sel = torch.cat([sel, sel.new_full((t, k - kk), -1)], dim=-1)
+    return sel
+
+
+# ---- sparse attention with shared KV and sink (§3.3 steps 4-6) --------------------------------
+def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, win_pos0: int, window: int,
+                cmp_kv: torch.Tensor | None, cmp_ratio: int, topk_idx: torch.Tensor | None,
+                sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over window keys, compressed keys and a per-head sink (K = V, shared by heads).
+
+    Query at position p sees window keys at positions ``p-window+1 .. p`` and compressed entries
+    ``i < (p+1) // cmp_ratio``: all of them (HCA, ``topk_idx is None``) or the indexer's picks
+    (CSA; ``-1`` = none). ``P_j = exp(s_j) / (exp(sink_h) + sum_l exp(s_l))``, ``s = q.k * scale``.
+
+    Args:
+        q: ``[T, h, d]``; positions: ``[T]`` int64, consecutive.
+        win_kv: ``[Nw, d]`` keys of positions ``win_pos0 .. win_pos0+Nw-1`` (covers the window
+            of every query). cmp_kv: ``[Nc, d]`` or None (window-only layer).
+        topk_idx: ``[T, k]`` int64 or None. sinks: ``[h]`` fp32.
+    Returns:
+        ``[T, h, d]`` in q.dtype.
+    """
+    T, h, d = q.shape
+    out = torch.empty_like(q)
+    if cmp_kv is not None and cmp_kv.shape[0] == 0:
+        cmp_kv = topk_idx = None
+    n_cmp = 0 if cmp_kv is None else cmp_kv.shape[0]
+    keys_per_q = 2 * window + (n_cmp if topk_idx is None else topk_idx.shape[1])
+    step = max(1, min(T, SCORE_BUDGET // max(1, h * keys_per_q)))
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        out[t0:t1] = _attn_chunk(q[t0:t1], positions[t0:t1], win_kv, win_pos0, window, cmp_kv, cmp_ratio,
+                                 None if topk_idx is None else topk_idx[t0:t1], sinks, scale)
+    return out
+
+
+def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, sinks, scale):
+    t, h, d = q.shape
+    qf = q.float()
+    # window keys: a dense band [lo, hi) of the local kv, masked to each query's window
+    lo = max(0, int(pos[0]) - window + 1 - win_pos0)
+    hi = int(pos[-1]) + 1 - win_pos0
+    wk = win_kv[lo:hi].float()                                            # [w, d]
+    kpos = win_pos0 + lo + torch.arange(hi - lo, device=q.device)
+    wmask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - window)
+    scores = [torch.einsum("thd,wd->thw", qf, wk).mul(scale).masked_fill(~wmask[:, None], float("-inf"))]
+    values = None
+    if cmp_kv is not None and topk_idx is None:                           # HCA: dense causal
+        nc = min(cmp_kv.shape[0], int(pos[-1] + 1) // cmp_ratio)
+        ck = cmp_kv[:nc].float()
+        cmask = torch.arange(nc, device=q.device)[None] < ((pos + 1) // cmp_ratio)[:, None]
+        scores.append(torch.einsum("thd,nd->thn", qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
+    elif cmp_kv is not None:                                              # CSA: indexer picks
+        valid = topk_idx >= 0
+        values = cmp_kv[topk_idx.clamp_min(0)].float()                    # [t, k, d]
+        s = torch.einsum("thd,tkd->thk", qf, values).mul(scale)
+        scores.append(s.masked_fill(~valid[:, None], float("-inf")))
+    sink = sinks.float().view(1, h, 1).expand(t, h, 1)
+    logits = torch.cat(scores + [sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
+    nw = wk.shape[0]
+    o = torch.einsum("thw,wd->thd", probs[..., :nw], wk)
+    if cmp_kv is not None and topk_idx is None:
+        o = o + torch.einsum("thn,nd->thd", probs[..., nw:-1], ck)
+    elif cmp_kv is not None:
+        o = o + torch.einsum("thk,tkd->thd", probs[..., nw:-1], values)
+    return o.to(q.dtype)
+
+
+# ---- MoE (§3.7) ------------------------------------------------------------------------------
+def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
+                routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: ``s = sqrt(softplus(logits))``; experts = top-k of ``s + bias`` (bias picks only) or
+    ``tid2eid[token]`` on hash layers; weights ``s[idx] / (sum s[idx] + 1e-20) * routed_scaling``.
+
+    Args:
+        logits: ``[T, E]`` fp32 router logits. bias: ``[E]`` fp32 or None. hash_ids: ``[T, k]`` or None.
+    Returns:
+        ``weights [T, k]`` fp32, ``ids [T, k]`` int64.
+    """
+    s = F.softplus(logits.float()).sqrt()
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        ids = torch.topk(s + bias.float(), k, dim=-1, sorted=False).indices
+    w = s.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling, ids
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (§3.7)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts ``sum_e w_e * (swiglu_clamp(x W1_e^T, x W3_e^T) W2_e^T)``, grouped by expert.
+
+    Args:
+        x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+    Returns:
+        ``[T, H]`` in x.dtype (accumulated in fp32).
+    """
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    tok = order // k
+    wt = weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        t_e = tok[start:start + c]
+        xe = x[t_e]
+        h = swiglu_clamp(F.linear(xe, w1[e].to(x.dtype)), F.linear(xe, w3[e].to(x.dtype)), limit)
+        y = F.linear(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
+        out.index_add_(0, t_e, y)
+        start += c
+    return out.to(x.dtype)
+
+
+def sdpa_scale(head_dim: int) -> float:
+    """Attention softmax scale ``1/sqrt(d)`` (§3.3 step 6)."""
+    return 1.0 / math.sqrt(head_dim)

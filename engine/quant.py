@@ -1,0 +1,136 @@
+"""Storage formats of the original DeepSeek-V4 checkpoints (reference/dsv4-architecture.md §2.1).
+
+* FP8 linears: ``float8_e4m3fn [out, in]`` with ``float8_e8m0fnu`` block scales
+  ``[ceil(out/bo), ceil(in/bi)]``; ``W[n, k] = fp8(W[n, k]) * 2^(e[n // bo, k // bi] - 127)``.
+* MXFP4 experts: ``int8 [out, in/2]``, two e2m1 nibbles per byte, low nibble = even column;
+  ``float8_e8m0fnu [out, in/32]`` scales; ``W[n, k] = LUT[nib] * 2^(s[n, k // 32] - 127)``.
+
+Decoders go through torch's own float8 dtypes (a library beats home-made bit twiddling); the
+encoders exist for ``dsv4-make-tiny`` and produce exactly representable values.
+"""
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+FP4_MAX = 6.0
+MXFP4_GROUP = 32
+# e2m1 code -> value (§2.1); index = 4-bit code.
+FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+class QuantFormatError(ValueError):
+    """A quantised tensor and its scale do not fit together."""
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 exponents -> fp32 multipliers ``2^(e - 127)`` (e = 255 is NaN).
+
+    Args:
+        scale: ``float8_e8m0fnu`` or ``uint8`` tensor of any shape.
+    Returns:
+        fp32 tensor of the same shape.
+    """
+    if scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)
+    if scale.dtype != torch.float8_e8m0fnu:
+        raise QuantFormatError(f"e8m0 scale: expected float8_e8m0fnu or uint8, found {scale.dtype}")
+    return scale.to(torch.float32)
+
+
+def e4m3_to_float(w: torch.Tensor) -> torch.Tensor:
+    """``float8_e4m3fn`` (or its raw uint8 bytes) -> fp32, exact (incl. subnormals, +-448, NaN)."""
+    if w.dtype == torch.uint8:
+        w = w.view(torch.float8_e4m3fn)
+    if w.dtype != torch.float8_e4m3fn:
+        raise QuantFormatError(f"e4m3 weight: expected float8_e4m3fn or uint8, found {w.dtype}")
+    return w.to(torch.float32)
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Block-scaled FP8 -> dense (§2.1).
+
+    Args:
+        w: ``[out, in]`` float8_e4m3fn.
+        scale: ``[ceil(out/bo), ceil(in/bi)]`` float8_e8m0fnu (ceil-shaped grids: the last block
+            may be partial).
+        block: ``(bo, bi)``, the config's ``weight_block_size``.
+    Returns:
+        ``[out, in]`` tensor of ``out_dtype``.
+    Raises:
+        QuantFormatError: the scale grid does not match ``ceil(shape / block)``.
+    """
+    n, k = w.shape
+    bo, bi = block
+    grid = (-(-n // bo), -(-k // bi))
+    if tuple(scale.shape) != grid:
+        raise QuantFormatError(f"FP8 scale grid {tuple(scale.shape)} != ceil({n}/{bo}), ceil({k}/{bi}) = {grid}")
+    s = e8m0_to_float(scale).repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
+    return (e4m3_to_float(w) * s).to(out_dtype)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 pairs ``int8 [..., in/2]`` -> fp32 ``[..., in]``; low nibble = even column."""
+    u8 = packed.contiguous().view(torch.uint8)
+    lut = FP4_LUT.to(packed.device)
+    vals = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
+    return vals.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 expert weight -> dense (§2.1).
+
+    Args:
+        packed: ``[out, in/2]`` int8 (two e2m1 codes per byte).
+        scale: ``[out, in/32]`` float8_e8m0fnu, one power-of-two per 32 inputs of a row.
+    Returns:
+        ``[out, in]`` tensor of ``out_dtype``.
+    Raises:
+        QuantFormatError: ``scale`` is not ``[out, in/32]``.
+    """
+    n, half = packed.shape
+    k = 2 * half
+    if k % MXFP4_GROUP or tuple(scale.shape) != (n, k // MXFP4_GROUP):
+        raise QuantFormatError(f"MXFP4 scale shape {tuple(scale.shape)} != ({n}, {k}/{MXFP4_GROUP})")
+    s = e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, 1)
+    return (unpack_fp4(packed) * s).to(out_dtype)
+
+
+# ---- encoders (used by dsv4-make-tiny) --------------------------------------------------------
+def _pow2_exponent(amax: torch.Tensor, vmax: float) -> torch.Tensor:
+    """Smallest integer e with amax / 2^e <= vmax (e in the e8m0 range)."""
+    e = torch.ceil(torch.log2(amax.clamp_min(1e-30) / vmax))
+    return e.clamp(-127, 127)
+
+
+def quant_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``[out, in]`` -> (float8_e4m3fn weight, float8_e8m0fnu ceil-shaped block scales)."""
+    n, k = w.shape
+    bo, bi = block
+    gn, gk = -(-n // bo), -(-k // bi)
+    pad = torch.zeros(gn * bo, gk * bi, dtype=torch.float32)
+    pad[:n, :k] = w.float()
+    amax = pad.abs().view(gn, bo, gk, bi).amax(dim=(1, 3))
+    e = _pow2_exponent(amax, E4M3_MAX)
+    s = torch.exp2(e).repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
+    q = (w.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``[out, in]`` -> (int8 ``[out, in/2]`` packed e2m1, float8_e8m0fnu ``[out, in/32]``).
+
+    Rounds each value to the nearest e2m1 code after dividing by its group's power of two.
+    """
+    n, k = w.shape
+    if k % MXFP4_GROUP:
+        raise QuantFormatError(f"MXFP4 needs in % {MXFP4_GROUP} == 0, found in={k}")
+    g = w.float().view(n, k // MXFP4_GROUP, MXFP4_GROUP)
+    e = _pow2_exponent(g.abs().amax(-1), FP4_MAX)
+    x = (g / torch.exp2(e).unsqueeze(-1)).reshape(n, k)
+    pos = FP4_LUT[:8]
+    code = (x.abs().unsqueeze(-1) - pos).abs().argmin(-1)
+    code = code + 8 * ((x < 0) & (code > 0)).long()
+    u8 = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
+    return u8.view(torch.int8), (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)

