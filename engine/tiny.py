@@ -74,7 +74,10 @@ def make_tensors(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
     layout = checkpoint_layout(args)
     out: dict[str, torch.Tensor] = {}
     for name, lin in model_linears(args).items():
-        w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+        # unit-gain projections; block outputs (wo_b, w2) at 1/4 gain so each layer updates the
+        # residual streams by a fraction of their norm, as in a trained network
+        gain = 0.25 if name.endswith(("wo_b", "w2")) else 1.0
+        w = torch.randn(lin.out_features, lin.in_features, generator=g) * gain * lin.in_features ** -0.5
         if lin.kind == "fp8":
             out[f"{name}.weight"], out[f"{name}.scale"] = quant_fp8_block(w, args.quant.weight_block_size)
         elif lin.kind == "fp4":

@@ -25,7 +25,7 @@ class Block(nn.Module):
         super().__init__()
         H, n = args.hidden_size, args.hc_mult
         mix = (2 + n) * n
-        self.args, self.ops = args, ops
+        self.args, self.ops, self.dtype = args, ops, dtype
         self.attn_norm = RMSNorm(H, args.rms_norm_eps, ops)
         self.attn = Attention(args, ratio, rope, dtype, ops)
         self.ffn_norm = RMSNorm(H, args.rms_norm_eps, ops)
@@ -42,12 +42,12 @@ class Block(nn.Module):
 
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start_pos: int,
                 state: LayerState, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """X ``[T, n, H]`` -> ``[T, n, H]``."""
+        """X ``[T, n, H]`` fp32 residual streams -> ``[T, n, H]`` fp32; blocks compute in ``self.dtype``."""
         y, post, comb = self._hc_pre(X, "attn")
-        a = self.attn(self.attn_norm(y), positions, start_pos, state, cos, sin)
+        a = self.attn(self.attn_norm(y).to(self.dtype), positions, start_pos, state, cos, sin)
         X = self.ops.hc_post(a, X, post, comb)
         y, post, comb = self._hc_pre(X, "ffn")
-        m = self.ffn(self.ffn_norm(y), tokens)
+        m = self.ffn(self.ffn_norm(y).to(self.dtype), tokens)
         return self.ops.hc_post(m, X, post, comb)
 
 
@@ -76,18 +76,19 @@ class MTPBlock(Block):
         """emb_next ``[T, H]`` (embedding of token t+1), h_main ``[T, H]`` (normed trunk output) -> ``[T, H]``."""
         a = self.args
         z = self.e_proj(self.enorm(emb_next)) + self.h_proj(self.hnorm(h_main))
-        X = z.unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = z.float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
         X = self.forward(X, tokens_next, positions, start_pos, state, cos, sin)
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return self.norm(h)
+        return self.norm(h).to(self.dtype)
 
 
 class Transformer(nn.Module):
     """The DeepSeek-V4 trunk + LM head (+ MTP blocks). Built empty; ``engine.weights`` fills it.
 
     Args:
-        args: checkpoint config. dtype: compute dtype (fp32 or bf16); norms, mHC, sinks, ape,
-            router and compressor weights stay fp32 (§5). ops: the op table (seam).
+        args: checkpoint config. dtype: compute dtype (fp32 or bf16); norms, mHC (residual
+            streams included), sinks, ape, router, compressor and LM-head weights stay fp32 (§5).
+        ops: the op table (seam).
     """
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32, ops: Ops = REFERENCE):
@@ -102,7 +103,8 @@ class Transformer(nn.Module):
             Block(args, args.compress_ratios[i], args.is_hash_layer(i), self._rope(args.compress_ratios[i]), dtype, ops)
             for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, ops)
-        self.head = Linear(args.hidden_size, args.vocab_size, dtype, ops)
+        # fp32 head: bf16-rounded logits flip the greedy argmax on a few % of steps
+        self.head = Linear(args.hidden_size, args.vocab_size, torch.float32, ops)
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
 
@@ -136,13 +138,14 @@ class Transformer(nn.Module):
         a = self.args
         positions = torch.arange(start, start + T, device=tokens.device)
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
-        X = F.embedding(tokens, self.embed.weight).unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
+        X = F.embedding(tokens, self.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
         for layer, st in zip(self.layers, state.layers):
             X = layer(X, tokens, positions, start, st, *(compress if layer.attn.ratio else main))
         state.num_tokens = start + T
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return self.norm(h)
+        return self.norm(h).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[T, H]`` -> logits ``[T, V]`` fp32."""
-        return self.head(hidden).float()
+        """hidden ``[T, H]`` -> logits ``[T, V]`` fp32 (fp32 products of the compute-dtype hidden)."""
+        return self.head(hidden.float())

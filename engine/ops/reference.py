@@ -198,23 +198,30 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
     Returns:
         ``[T, topk]`` int64 entry ids, ascending; ``-1`` pads rows with fewer candidates.
     """
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    for t0, t1, s, allowed in indexer_scores(q, weights, keys, positions, ratio, scale):
+        out[t0:t1] = _topk_low_index(s, allowed, topk)
+    return out
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                   ratio: int, scale: float):
+    """Yield ``(t0, t1, scores [t, n] fp32 with -inf on non-candidates, allowed [t, n] bool)`` per
+    query chunk; ``n`` = entries visible to the chunk's last query. Shapes as in ``indexer_topk``."""
     T = q.shape[0]
-    out = torch.full((T, topk), -1, dtype=torch.long, device=q.device)
     if keys.shape[0] == 0:
-        return out
+        return
     step = max(1, SCORE_BUDGET // max(1, q.shape[1] * keys.shape[0]))
     for t0 in range(0, T, step):
-        pos = positions[t0:t0 + step]
-        n_allowed = int((pos[-1] + 1) // ratio)
+        t1 = min(T, t0 + step)
+        pos = positions[t0:t1]
+        n_allowed = min(keys.shape[0], int(pos[-1] + 1) // ratio)
         if n_allowed == 0:
             continue
-        kf = keys[:n_allowed].float()
-        s = F.relu(torch.einsum("thd,nd->thn", q[t0:t0 + step].float(), kf)) * scale
-        s = (s * weights[t0:t0 + step].float().unsqueeze(-1)).sum(dim=1)   # [t, n]
+        s = F.relu(torch.einsum("thd,nd->thn", q[t0:t1].float(), keys[:n_allowed].float())) * scale
+        s = (s * weights[t0:t1].float().unsqueeze(-1)).sum(dim=1)            # [t, n]
         allowed = torch.arange(n_allowed, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
-        s = s.masked_fill(~allowed, float("-inf"))
-        out[t0:t0 + step] = _topk_low_index(s, allowed, topk)
-    return out
+        yield t0, t1, s.masked_fill(~allowed, float("-inf")), allowed
 
 
 def _topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:

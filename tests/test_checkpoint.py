@@ -1,0 +1,180 @@
+"""dsv4-make-tiny writes the original layout; the loader rejects malformed checkpoints in one line."""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import checkpoint_layout
+from engine.config import ConfigError, ModelArgs
+from engine.quant import dequant_fp8_block
+from engine.tiny import main as make_tiny_main
+from engine.tokenizer import Tokenizer
+from engine.weights import CheckpointError, load_model, scan_checkpoint
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.mark.parametrize("preset, head", [("flash", [0, 0, 4, 128]), ("pro", [128, 128, 4, 128])])
+def test_tiny_checkpoint_is_the_original_layout(tiny_ckpt, preset, head):
+    ckpt = Path(tiny_ckpt(preset, 1))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_scaling", "compress_rope_theta",
+                "hc_mult", "o_groups", "index_topk", "quantization_config"):
+        assert key in cfg
+    assert cfg["compress_ratios"][:4] == head and cfg["compress_ratios"][-1] == 0          # trailing MTP entry
+    args = ModelArgs.from_dict(cfg)
+    found = scan_checkpoint(ckpt)
+    layout = checkpoint_layout(args)
+    assert {n: (t.dtype, t.shape) for n, t in found.items()} == {n: (s.dtype, s.shape) for n, s in layout.items()}
+    assert len({t.file for t in found.values()}) > 1                                      # sharded
+    assert any(n.startswith("mtp.0.") for n in found) and found["layers.3.ffn.experts.0.w1.weight"].dtype == "I8"
+    # FP8 dims are multiples of 128 or below 128 (HF derives the block from the grid)
+    for n, t in found.items():
+        if t.dtype == "F8_E4M3":
+            assert all(d % 128 == 0 or d < 128 for d in t.shape), n
+    tid2eid = load_file(str(ckpt / found["layers.0.ffn.gate.tid2eid"].file))["layers.0.ffn.gate.tid2eid"]
+    assert all(len(set(r)) == args.num_experts_per_tok for r in tid2eid[:1000].tolist())
+    tok = Tokenizer(ckpt)
+    assert tok.vocab_size == 129280 and tok.bos_id == 0 and tok.eos_id == 1
+    assert json.loads((ckpt / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
+def test_make_tiny_is_deterministic_and_refuses_nonempty_out(tmp_path, capsys):
+    assert make_tiny_main(["--preset", "flash", "--seed", "7", "--out", str(tmp_path / "a")]) == 0
+    assert make_tiny_main(["--preset", "flash", "--seed", "7", "--out", str(tmp_path / "b")]) == 0
+    for f in sorted(os.listdir(tmp_path / "a")):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+    assert make_tiny_main(["--preset", "flash", "--out", str(tmp_path / "a")]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_loader_fills_every_tensor_including_mtp(tiny_ckpt):
+    ckpt = Path(tiny_ckpt("flash", 1))
+    model = load_model(ckpt, progress=False)
+    found = scan_checkpoint(ckpt)
+    sd = {}
+    for f in {t.file for t in found.values()}:
+        sd.update(load_file(str(ckpt / f)))
+    bs = model.args.quant.weight_block_size
+    eproj = dequant_fp8_block(sd["mtp.0.e_proj.weight"], sd["mtp.0.e_proj.scale"], bs)
+    assert torch.equal(model.mtp[0].e_proj.weight, eproj)
+    assert torch.equal(model.mtp[0].hc_head_fn, sd["mtp.0.hc_head_fn"])
+    assert torch.equal(model.mtp[0].attn.attn_sink, sd["mtp.0.attn.attn_sink"])
+    assert torch.equal(model.mtp[0].ffn.gate.bias, sd["mtp.0.ffn.gate.bias"])
+    assert torch.equal(model.layers[0].ffn.gate.tid2eid, sd["layers.0.ffn.gate.tid2eid"])
+    assert torch.equal(model.embed.weight, sd["embed.weight"].float())
+
+
+def test_bf16_keeps_the_fp32_parts(tiny_ckpt):
+    m = load_model(tiny_ckpt("flash", 1), dtype=torch.bfloat16, progress=False)
+    l2 = m.layers[2]
+    assert m.embed.weight.dtype == torch.bfloat16 and l2.attn.wq_b.weight.dtype == torch.bfloat16
+    assert l2.ffn.experts.w1.dtype == torch.bfloat16
+    for t in (l2.ffn.gate.weight, l2.attn.compressor.wkv.weight, l2.attn.compressor.ape, l2.hc_attn_fn,
+              l2.attn.attn_sink, l2.attn_norm.weight, m.head.weight, l2.attn.indexer.weights_proj.weight):
+        assert t.dtype == torch.float32
+
+
+# ---- malformed checkpoints ---------------------------------------------------------------------
+def _clone(src: Path, dst: Path) -> Path:
+    """Copy config/index/tokenizer; symlink the shards (cheap); a test rewrites what it breaks."""
+    dst.mkdir()
+    for p in src.iterdir():
+        if p.suffix == ".safetensors":
+            os.symlink(p, dst / p.name)
+        else:
+            shutil.copyfile(p, dst / p.name)
+    return dst
+
+
+def _rewrite(ckpt: Path, tensor: str, change):
+    index = json.loads((ckpt / INDEX).read_text())
+    shard = index["weight_map"][tensor]
+    sd = load_file(str(ckpt / shard))
+    change(sd)
+    (ckpt / shard).unlink()
+    save_file(sd, str(ckpt / shard))
+    return index, shard
+
+
+def _load_error(ckpt) -> str:
+    with pytest.raises((CheckpointError, ConfigError)) as e:
+        load_model(ckpt, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+@pytest.fixture
+def broken(tiny_ckpt, tmp_path):
+    return _clone(Path(tiny_ckpt("flash", 1)), tmp_path / "ckpt")
+
+
+def test_missing_tensor(broken):
+    name = "layers.2.attn.wq_a.scale"
+    index, shard = _rewrite(broken, name, lambda sd: sd.pop(name))
+    del index["weight_map"][name]
+    (broken / INDEX).write_text(json.dumps(index))
+    msg = _load_error(broken)
+    assert f"tensor '{name}' is missing (expected F8_E8M0 [1, 2])" in msg
+
+
+def test_extra_tensor(broken):
+    _rewrite(broken, "layers.0.attn_norm.weight", lambda sd: sd.update({"layers.0.attn.bogus": torch.zeros(3)}))
+    (broken / INDEX).unlink()                                        # shards found by glob
+    assert "unexpected tensor 'layers.0.attn.bogus' (F32 [3]" in _load_error(broken)
+
+
+def test_misshaped_tensor(broken):
+    name = "layers.3.attn.compressor.ape"
+    _rewrite(broken, name, lambda sd: sd.update({name: torch.zeros(64, 128)}))
+    assert f"tensor '{name}' has shape [64, 128], expected [128, 128]" in _load_error(broken)
+
+
+def test_mistyped_tensor(broken):
+    name = "layers.2.attn.wq_b.weight"
+    _rewrite(broken, name, lambda sd: sd.update({name: sd[name].to(torch.bfloat16)}))
+    assert f"tensor '{name}' has dtype BF16, expected F8_E4M3" in _load_error(broken)
+
+
+def test_truncated_shard(broken):
+    index = json.loads((broken / INDEX).read_text())
+    shard = index["weight_map"]["layers.2.attn.wq_a.weight"]
+    data = (broken / shard).read_bytes()
+    (broken / shard).unlink()
+    (broken / shard).write_bytes(data[: len(data) - 1000])
+    msg = _load_error(broken)
+    assert f"shard {shard} is truncated" in msg and "tensor '" in msg
+
+
+def test_shard_named_in_index_missing(broken):
+    index = json.loads((broken / INDEX).read_text())
+    shard = index["weight_map"]["embed.weight"]
+    (broken / shard).unlink()
+    assert f"shard {shard} named in {INDEX} is missing" in _load_error(broken)
+
+
+def test_tid2eid_out_of_range(broken):
+    name = "layers.1.ffn.gate.tid2eid"
+    _rewrite(broken, name, lambda sd: sd[name].__setitem__((5, 0), 99))
+    assert f"tensor '{name}' has expert ids outside [0, 16)" in _load_error(broken)
+
+
+def test_nan_values(broken):
+    name = "layers.4.attn.attn_sink"
+    _rewrite(broken, name, lambda sd: sd[name].__setitem__(0, float("nan")))
+    assert f"tensor '{name}' holds NaN or inf values" in _load_error(broken)
+
+
+def test_config_inconsistent_with_shards(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["hidden_size"] = 512
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert "expected" in _load_error(broken)
+    del cfg["hidden_size"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    assert "missing required field 'hidden_size'" in _load_error(broken)
