@@ -28,7 +28,7 @@ _INFORMATIONAL_KEYS = {
     "n_group", "topk_group", "first_k_dense_replace", "moe_layer_freq", "ep_size",
     "_name_or_path", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "rope_interleave",
     "num_experts_per_tok_hash", "mlp_bias", "output_router_logits", "router_aux_loss_coef",
-    "router_jitter_noise", "aux_loss_alpha", "seq_aux", "intermediate_size", "bos_token_id",
+    "router_jitter_noise", "aux_loss_alpha", "seq_aux", "intermediate_size",
 }
 
 

@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.tiny import make_tiny
-
-torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")

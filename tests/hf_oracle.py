@@ -1,12 +1,15 @@
-"""Test helpers: the HF transformers oracle, and the tie-tolerant comparison of top-k picks.
+"""Test helpers: the HF transformers oracle, and how top-k ties are kept from deciding parity.
 
-How indexer / router top-k ties are kept from deciding a parity test: HF and our reference
-compute the selection scores in a different op order (relative differences ~1e-7..1e-6), so where
-the k-th and (k+1)-th scores of a row are that close the two may legitimately pick differently.
-``TieGuard`` records our picks and their margins, ``HFPicks`` records HF's picks (forward hooks).
-Every row where they differ must be a near-tie (relative margin < ``TIE_REL``), else the test
-fails; logits are then compared strictly only at positions before the first such divergence
-(the tests require that to cover nearly all positions, so a seed that ties early shows up).
+HF and our reference compute indexer and router scores in a different op order (relative
+differences ~1e-7..1e-6). Where the k-th and (k+1)-th scores of a row are that close, the two may
+legitimately pick differently, and everything downstream then differs. So:
+  * ``TieGuard`` (an ops override) records our picks and each row's relative top-k margin;
+  * ``HFPicks`` (forward hooks) records HF's picks;
+  * if every pick agrees, logits are compared with the plain HF forward;
+  * otherwise HF is run again with ``force`` set: on each row where its pick differs from ours the
+    hook asserts our margin is a near-tie (< ``TIE_REL``), else the test fails, and substitutes our
+    pick (router weights recomputed from HF's own logits). Logits are then compared at every
+    position, strictly.
 """
 from __future__ import annotations
 
@@ -85,41 +88,64 @@ class TieGuard:
 
 
 class HFPicks:
-    """Forward hooks on HF's indexers and score routers: their picks for the last forward."""
+    """Forward hooks on HF's indexers and score routers: their picks, optionally overridden.
+
+    ``natural[kind][slot]`` = HF's own picks ``[S, k]`` (row = position) of the last forward;
+    ``substituted`` counts rows where a forced near-tie decision replaced HF's.
+    """
 
     def __init__(self, hf):
-        self.index, self.route = {}, {}
+        self.natural = {"index": {}, "route": {}}
+        self.force: TieGuard | None = None
+        self.substituted = 0
         layers = hf.model.layers
-        csa = [l for l in layers if l.self_attn.compressor is not None and hasattr(l.self_attn.compressor, "indexer")]
+        csa = [l for l in layers if hasattr(l.self_attn.compressor, "indexer")]
         for slot, layer in enumerate(csa):
-            layer.self_attn.compressor.indexer.register_forward_hook(self._hook(self.index, slot))
-        routed = [l for l in layers if not l.mlp.is_hash]
-        for slot, layer in enumerate(routed):
-            layer.mlp.gate.register_forward_hook(self._hook(self.route, slot))
+            layer.self_attn.compressor.indexer.register_forward_hook(self._hook("index", slot))
+        for slot, layer in enumerate(l for l in layers if not l.mlp.is_hash):
+            layer.mlp.gate.register_forward_hook(self._hook("route", slot))
 
-    def restore(self, index: dict, route: dict):
-        """Put back picks saved from an earlier forward (the hooks keep writing to the same dicts)."""
-        self.index.clear(), self.index.update(index)
-        self.route.clear(), self.route.update(route)
-
-    @staticmethod
-    def _hook(table, slot):
+    def _hook(self, kind, slot):
         def f(module, inputs, output):
-            ids = output if isinstance(output, torch.Tensor) else output[2]
-            table[slot] = ids.reshape(-1, ids.shape[-1])           # [S, k], row = position
+            ids = output if kind == "index" else output[2]
+            rows = ids.reshape(-1, ids.shape[-1])
+            self.natural[kind][slot] = rows.clone()
+            if self.force is None:
+                return None
+            ours = getattr(self.force, kind)
+            new = rows.clone()
+            for p in range(rows.shape[0]):
+                picked, margin = ours.get((slot, p), (frozenset(), math.inf))    # no candidates yet
+                if frozenset(x for x in rows[p].tolist() if x >= 0) != picked:
+                    assert margin < TIE_REL, f"{kind} slot {slot} position {p}: picks differ, margin {margin:.2e}"
+                    new[p] = torch.tensor(sorted(picked) + [-1] * (rows.shape[1] - len(picked)))
+                    self.substituted += 1
+            if kind == "index":
+                return new.view_as(output)
+            logits = output[0]
+            s = F.softplus(logits.float()).sqrt().gather(1, new)
+            w = s / (s.sum(-1, keepdim=True) + 1e-20) * module.routed_scaling_factor
+            return logits, w.to(output[1].dtype), new
         return f
 
 
-def first_divergence(guard: TieGuard, hf: HFPicks) -> int | None:
-    """First position where HF and we picked differently (None if never). Fails on a non-tie."""
-    first = None
-    for ours, theirs in ((guard.index, hf.index), (guard.route, hf.route)):
-        for (slot, p), (picked, margin) in ours.items():
-            hf_picked = frozenset(x for x in theirs[slot][p].tolist() if x >= 0)
-            if hf_picked != picked:
-                assert margin < TIE_REL, f"slot {slot} position {p}: picks differ without a tie (margin {margin:.2e})"
-                first = p if first is None else min(first, p)
-    return first
+def picks_agree(guard: TieGuard, hf: HFPicks) -> bool:
+    """True when every pick we recorded equals HF's from its last natural forward."""
+    for kind in ("index", "route"):
+        for (slot, p), (picked, _) in getattr(guard, kind).items():
+            if frozenset(x for x in hf.natural[kind][slot][p].tolist() if x >= 0) != picked:
+                return False
+    return True
+
+
+@torch.no_grad()
+def hf_logits_forced(hf, picks: HFPicks, guard: TieGuard, ids: torch.Tensor) -> torch.Tensor:
+    """HF forward over ``ids`` taking our decision on every near-tie row where the picks differ."""
+    picks.force = guard
+    try:
+        return hf_logits(hf, ids)
+    finally:
+        picks.force = None
 
 
 @torch.no_grad()

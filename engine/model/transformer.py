@@ -116,7 +116,7 @@ class Transformer(nn.Module):
         """Empty per-request decode state matching this model."""
         return SequenceState.new(self.args, self.dtype, self.embed.weight.device, with_mtp)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
         """Run ``tokens`` (the next ``T`` tokens of the sequence) and advance ``state``.
 
@@ -146,6 +146,7 @@ class Transformer(nn.Module):
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return self.norm(h).to(self.dtype)
 
+    @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, H]`` -> logits ``[T, V]`` fp32 (fp32 products of the compute-dtype hidden)."""
         return self.head(hidden.float())

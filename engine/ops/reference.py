@@ -10,8 +10,6 @@ k selected entries, E experts, I expert width, n mHC streams (hc_mult), m compre
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -267,8 +265,9 @@ def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, 
     if cmp_kv is not None and cmp_kv.shape[0] == 0:
         cmp_kv = topk_idx = None
     n_cmp = 0 if cmp_kv is None else cmp_kv.shape[0]
-    keys_per_q = 2 * window + (n_cmp if topk_idx is None else topk_idx.shape[1])
-    step = max(1, min(T, SCORE_BUDGET // max(1, h * keys_per_q)))
+    keys_per_q = window + (n_cmp if topk_idx is None else topk_idx.shape[1])
+    # per query chunk: scores [t, h, keys] plus gathered keys [t, keys, d]
+    step = max(1, min(T, SCORE_BUDGET // ((h + d) * keys_per_q)))
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         out[t0:t1] = _attn_chunk(q[t0:t1], positions[t0:t1], win_kv, win_pos0, window, cmp_kv, cmp_ratio,
@@ -279,14 +278,14 @@ def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, 
 def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, sinks, scale):
     t, h, d = q.shape
     qf = q.float()
-    # window keys: a dense band [lo, hi) of the local kv, masked to each query's window
-    lo = max(0, int(pos[0]) - window + 1 - win_pos0)
-    hi = int(pos[-1]) + 1 - win_pos0
-    wk = win_kv[lo:hi].float()                                            # [w, d]
-    kpos = win_pos0 + lo + torch.arange(hi - lo, device=q.device)
-    wmask = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - window)
-    scores = [torch.einsum("thd,wd->thw", qf, wk).mul(scale).masked_fill(~wmask[:, None], float("-inf"))]
-    values = None
+    # window: query p sees keys p-window+1 .. p; rows before position 0 are zero padding, masked
+    first = int(pos[0]) - window + 1 - win_pos0                          # local row of the first key
+    kv = win_kv[max(0, first): int(pos[-1]) + 1 - win_pos0].float()
+    if first < 0:
+        kv = F.pad(kv, (0, 0, -first, 0))
+    wk = kv.unfold(0, window, 1)                                          # [t, d, window]
+    kpos = pos[:, None] - window + 1 + torch.arange(window, device=q.device)
+    scores = [torch.einsum("thd,tdw->thw", qf, wk).mul(scale).masked_fill((kpos < 0)[:, None], float("-inf"))]
     if cmp_kv is not None and topk_idx is None:                           # HCA: dense causal
         nc = min(cmp_kv.shape[0], int(pos[-1] + 1) // cmp_ratio)
         ck = cmp_kv[:nc].float()
@@ -294,18 +293,17 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
         scores.append(torch.einsum("thd,nd->thn", qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
     elif cmp_kv is not None:                                              # CSA: indexer picks
         valid = topk_idx >= 0
-        values = cmp_kv[topk_idx.clamp_min(0)].float()                    # [t, k, d]
-        s = torch.einsum("thd,tkd->thk", qf, values).mul(scale)
+        ck = cmp_kv[topk_idx.clamp_min(0)].float()                        # [t, k, d]
+        s = torch.einsum("thd,tkd->thk", qf, ck).mul(scale)
         scores.append(s.masked_fill(~valid[:, None], float("-inf")))
     sink = sinks.float().view(1, h, 1).expand(t, h, 1)
     logits = torch.cat(scores + [sink], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
-    nw = wk.shape[0]
-    o = torch.einsum("thw,wd->thd", probs[..., :nw], wk)
+    o = torch.einsum("thw,tdw->thd", probs[..., :window], wk)
     if cmp_kv is not None and topk_idx is None:
-        o = o + torch.einsum("thn,nd->thd", probs[..., nw:-1], ck)
+        o = o + torch.einsum("thn,nd->thd", probs[..., window:-1], ck)
     elif cmp_kv is not None:
-        o = o + torch.einsum("thk,tkd->thd", probs[..., nw:-1], values)
+        o = o + torch.einsum("thk,tkd->thd", probs[..., window:-1], ck)
     return o.to(q.dtype)
 
 
@@ -363,7 +361,3 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
         start += c
     return out.to(x.dtype)
 
-
-def sdpa_scale(head_dim: int) -> float:
-    """Attention softmax scale ``1/sqrt(d)`` (§3.3 step 6)."""
-    return 1.0 / math.sqrt(head_dim)
