@@ -135,8 +135,8 @@ class ModelArgs:
         if not p.is_file():
             raise ConfigError(f"config.json: not found at {p}")
         try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config.json: invalid JSON at {p}: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config.json: expected a JSON object, found {type(raw).__name__}")
@@ -216,10 +216,21 @@ class ModelArgs:
         _expect(self.norm_topk_prob is True, "norm_topk_prob", "true", self.norm_topk_prob)
         _expect(self.hidden_act == "silu", "hidden_act", "'silu'", self.hidden_act)
         _expect(not self.tie_word_embeddings, "tie_word_embeddings", "false", self.tie_word_embeddings)
-        _expect(self.routed_scaling_factor > 0, "routed_scaling_factor", "> 0", self.routed_scaling_factor)
-        _expect(self.swiglu_limit > 0, "swiglu_limit", "> 0", self.swiglu_limit)
-        _expect(self.rms_norm_eps > 0 and self.hc_eps > 0, "rms_norm_eps/hc_eps", "> 0",
-                (self.rms_norm_eps, self.hc_eps))
+        _range("routed_scaling_factor", self.routed_scaling_factor, 0, 1e3)
+        _range("swiglu_limit", self.swiglu_limit, 0, 1e4)
+        _range("rms_norm_eps", self.rms_norm_eps, 0, 0.1)
+        _range("hc_eps", self.hc_eps, 0, 0.1)
+        _range("rope_theta", self.rope_theta, 1, 1e12)
+        _range("compress_rope_theta", self.compress_rope_theta, 1, 1e12)
+        _expect(self.max_position_embeddings <= 1 << 31, "max_position_embeddings", "<= 2^31",
+                self.max_position_embeddings)
+        _expect(self.sliding_window <= self.max_position_embeddings, "sliding_window",
+                f"<= max_position_embeddings ({self.max_position_embeddings})", self.sliding_window)
+        _expect(self.index_topk <= self.max_position_embeddings // 4, "index_topk",
+                f"<= max_position_embeddings / 4 ({self.max_position_embeddings // 4})", self.index_topk)
+        for name in ("eos_token_id", "bos_token_id"):
+            _expect(0 <= getattr(self, name) < self.vocab_size, name, f"in [0, vocab_size={self.vocab_size})",
+                    getattr(self, name))
         if self.rope_scaling is not None:
             _validate_yarn(self.rope_scaling)
 
@@ -227,6 +238,10 @@ class ModelArgs:
 def _expect(ok: bool, name: str, expected: str, found: Any) -> None:
     if not ok:
         raise ConfigError(f"config.json: '{name}' must be {expected}, found {found!r}")
+
+
+def _range(name: str, value: float, lo: float, hi: float) -> None:
+    _expect(lo < value <= hi, name, f"in ({lo:g}, {hi:g}]", value)
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> Any:
@@ -257,8 +272,11 @@ def _validate_yarn(rs: dict) -> None:
     _expect(kind == "yarn", "rope_scaling.type", "'yarn'", kind)
     for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
         v = rs.get(k)
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-        _expect(ok, f"rope_scaling.{k}", "a positive number", v)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e12
+        _expect(ok, f"rope_scaling.{k}", "a positive finite number", v)
+    _expect(rs["factor"] >= 1, "rope_scaling.factor", ">= 1", rs["factor"])
+    _expect(rs["beta_fast"] > rs["beta_slow"], "rope_scaling.beta_fast", f"> beta_slow ({rs['beta_slow']})",
+            rs["beta_fast"])
 
 
 def _parse_quant(qc: Any, top_expert_dtype: Any) -> FP8Quant | None:

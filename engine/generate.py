@@ -4,12 +4,13 @@
                   [--dtype fp32|bf16] [--json]
 
 ``--prompt`` is tokenised with BOS prepended; ``--prompt-ids`` are used as given. Generation stops
-at EOS or after N tokens. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...], "text": ...}``.
+at the config's ``eos_token_id`` or after N tokens. ``--json`` prints ``{"prompt_ids": [...], "output_ids": [...], "text": ...}``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,21 +50,27 @@ def generate_greedy(model: Transformer, prompt_ids: list[int], max_new_tokens: i
     for s in range(0, len(prompt_ids), prefill_chunk):
         hidden = model(prompt[s:s + prefill_chunk], state)
     out: list[int] = []
-    nxt = model.logits(hidden[-1:]).argmax(-1)
+    logits = model.logits(hidden[-1:])
     while True:
-        out.append(int(nxt))
+        if not torch.isfinite(logits).all():
+            raise NonFiniteLogits(f"the model produced non-finite logits at position {state.num_tokens - 1}")
+        out.append(int(logits.argmax(-1)))
         if len(out) >= max_new_tokens or (eos_id is not None and out[-1] == eos_id):
             return out
-        nxt = model.logits(model(nxt, state)).argmax(-1)
+        logits = model.logits(model(torch.tensor(out[-1:]), state))
+
+
+class NonFiniteLogits(RuntimeError):
+    """NaN / inf logits: broken weights or config values; never turned into tokens."""
 
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids: expected comma-separated integers, found {text!r}") from None
-    if not ids:
+    items = [t.strip() for t in text.split(",")]
+    if items == [""] or items == ["", ""]:
         raise ValueError("--prompt-ids: expected at least one id")
+    if not all(re.fullmatch(r"[0-9]+", t) for t in items):
+        raise ValueError(f"--prompt-ids: expected comma-separated integers, found {text!r}")
+    ids = [int(t) for t in items]
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"--prompt-ids: ids must be in [0, {vocab_size}), found {bad[:5]}")
@@ -83,16 +90,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.max_new_tokens < 0:
             raise ValueError(f"--max-new-tokens: must be >= 0, found {a.max_new_tokens}")
-        if not Path(a.model).is_dir():
-            raise ValueError(f"--model: directory {a.model} does not exist")
-        vocab = ModelArgs.from_json(a.model).vocab_size
+        if not a.model or not Path(a.model).is_dir():
+            raise ValueError(f"--model: directory {a.model!r} does not exist")
+        args = ModelArgs.from_json(a.model)
         tok = Tokenizer(a.model)
-        prompt_ids = _parse_ids(a.prompt_ids, vocab) if a.prompt_ids is not None else tok.encode(a.prompt, add_bos=True)
+        if a.prompt_ids is not None:
+            prompt_ids = _parse_ids(a.prompt_ids, args.vocab_size)
+        else:
+            try:
+                a.prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("--prompt: not valid UTF-8 text") from None
+            prompt_ids = tok.encode(a.prompt, add_bos=True)
+        if len(prompt_ids) + a.max_new_tokens > args.max_position_embeddings:
+            raise ValueError(f"--max-new-tokens: prompt ({len(prompt_ids)} tokens) + {a.max_new_tokens} new tokens "
+                             f"exceeds the model's max_position_embeddings ({args.max_position_embeddings})")
         model = load_model(a.model, DTYPES[a.dtype])
-        out = generate_greedy(model, prompt_ids, a.max_new_tokens, tok.eos_id)
+        out = generate_greedy(model, prompt_ids, a.max_new_tokens, args.eos_token_id)
     except (ValueError, ConfigError, CheckpointError, TokenizerError) as e:
         print(f"dsv4-generate: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLogits as e:
+        print(f"dsv4-generate: error: {e}", file=sys.stderr)
+        return 1
     text = tok.decode(out)
     if a.json:
         print(json.dumps({"prompt_ids": prompt_ids, "output_ids": out, "text": text}, ensure_ascii=False))

@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -131,21 +132,37 @@ def copy_tokenizer(out: Path) -> None:
 def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write the tiny ``preset`` ('flash' or 'pro') checkpoint with ``seed`` into ``out``.
 
+    Written into a temporary sibling directory and renamed at the end, so an interrupted run
+    leaves no half checkpoint behind.
+
     Raises:
-        ValueError: unknown preset. FileExistsError: ``out`` exists and is not empty.
+        ValueError: unknown preset, seed out of range, or ``out`` exists and is not an empty
+            directory. OSError: ``out``'s parent cannot be written.
     """
     if preset not in PRESETS:
         raise ValueError(f"--preset must be one of {sorted(PRESETS)}, found {preset!r}")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"--seed must be in [0, 2^63), found {seed}")
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"--out {out} exists and is not empty")
-    out.mkdir(parents=True, exist_ok=True)
-    raw = PRESETS[preset]
-    args = ModelArgs.from_dict(raw)
-    write_shards(make_tensors(args, seed), out, shard_bytes)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    copy_tokenizer(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        raw = PRESETS[preset]
+        write_shards(make_tensors(ModelArgs.from_dict(raw), seed), tmp, shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+        copy_tokenizer(tmp)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -157,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         path = make_tiny(a.preset, a.seed, a.out)
-    except (ValueError, FileExistsError) as e:
+    except ValueError as e:
         print(f"dsv4-make-tiny: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"dsv4-make-tiny: error: --out {a.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
         return 2
     print(f"wrote tiny {a.preset} checkpoint (seed {a.seed}) to {path}")
     return 0

@@ -14,8 +14,14 @@ class TokenizerError(ValueError):
     """The checkpoint directory has no usable tokenizer."""
 
 
-def _token_text(v) -> str | None:
-    return v.get("content") if isinstance(v, dict) else v
+def _token_text(cfg: dict, key: str, default: str) -> str:
+    v = cfg.get(key)
+    v = v.get("content") if isinstance(v, dict) else v
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise TokenizerError(f"tokenizer_config.json: '{key}' must be a string or an AddedToken object, found {v!r}")
+    return v
 
 
 class Tokenizer:
@@ -34,9 +40,16 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
             raise TokenizerError(f"tokenizer: cannot read {path}: {e}") from None
         cfg_path = Path(ckpt_dir) / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        bos = _token_text(cfg.get("bos_token")) or BOS_TOKEN
-        eos = _token_text(cfg.get("eos_token")) or EOS_TOKEN
+        cfg = {}
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"tokenizer_config.json: invalid JSON at {cfg_path}: {e}") from None
+            if not isinstance(cfg, dict):
+                raise TokenizerError(f"tokenizer_config.json: expected a JSON object at {cfg_path}")
+        bos = _token_text(cfg, "bos_token", BOS_TOKEN)
+        eos = _token_text(cfg, "eos_token", EOS_TOKEN)
         self.bos_id, self.eos_id = self._tok.token_to_id(bos), self._tok.token_to_id(eos)
         if self.bos_id is None or self.eos_id is None:
             raise TokenizerError(f"tokenizer: BOS {bos!r} or EOS {eos!r} missing from {path}")

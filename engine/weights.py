@@ -11,13 +11,14 @@ model's compute dtype.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from engine.checkpoint import LinearSpec, TensorSpec, checkpoint_layout, model_linears
@@ -42,49 +43,91 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def read_shard_header(path: Path) -> dict[str, StoredTensor]:
-    """Parse one safetensors header and check the file holds all the bytes it promises.
+    """Parse one safetensors header and check its tensors tile the data section exactly.
 
     Raises:
-        CheckpointError: unreadable header, or the file is shorter than its tensors' extent.
+        CheckpointError: unreadable or malformed header, truncated file, overlapping data or
+            trailing bytes (naming the shard, and the tensor where there is one).
     """
     size = path.stat().st_size
+    bad = f"checkpoint: shard {path.name}"
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"checkpoint: shard {path.name} is truncated ({size} bytes, no header)")
+            raise CheckpointError(f"{bad} is truncated ({size} bytes, no header)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8:
-            raise CheckpointError(f"checkpoint: shard {path.name} is truncated (header of {n} bytes, file {size})")
+            raise CheckpointError(f"{bad} is truncated (header of {n} bytes, file {size})")
         try:
             meta = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CheckpointError(f"checkpoint: shard {path.name} has an unreadable safetensors header") from None
+            raise CheckpointError(f"{bad} has an unreadable safetensors header") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{bad} has a safetensors header that is not a JSON object")
+    extra = meta.pop("__metadata__", {})
+    if not isinstance(extra, dict) or not all(isinstance(v, str) for v in extra.values()):
+        raise CheckpointError(f"{bad} has a malformed __metadata__ entry (expected string values)")
+    data_len = size - 8 - n
     out: dict[str, StoredTensor] = {}
+    spans = []
     for name, info in meta.items():
-        if name == "__metadata__":
-            continue
-        end = 8 + n + int(info["data_offsets"][1])
-        if end > size:
-            raise CheckpointError(f"checkpoint: shard {path.name} is truncated: tensor '{name}' ends at byte {end}, "
-                                  f"file has {size}")
+        begin, end = _parse_entry(bad, name, info)
+        if end > data_len:
+            raise CheckpointError(f"{bad} is truncated: tensor '{name}' ends at byte {8 + n + end}, file has {size}")
+        spans.append((begin, end, name))
         out[name] = StoredTensor(path.name, info["dtype"], tuple(info["shape"]))
+    pos = 0
+    for begin, end, name in sorted(spans):
+        if begin != pos:
+            raise CheckpointError(f"{bad}: tensor '{name}' data starts at offset {begin}, expected {pos} "
+                                  "(overlapping or non-contiguous tensors)")
+        pos = end
+    if pos != data_len:
+        raise CheckpointError(f"{bad} has {data_len - pos} unexpected bytes after its last tensor")
     return out
+
+
+def _parse_entry(bad: str, name: str, info) -> tuple[int, int]:
+    """(begin, end) data offsets of one header entry, checked against its dtype and shape."""
+    try:
+        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        ok = (isinstance(dtype, str) and isinstance(shape, list) and isinstance(begin, int) and isinstance(end, int)
+              and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) and 0 <= begin <= end)
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{bad} has a malformed header entry for tensor '{name}' "
+                              "(expected dtype, shape and data_offsets [begin, end])")
+    if dtype in _DTYPE_BYTES and end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise CheckpointError(f"{bad}: tensor '{name}' spans {end - begin} bytes, but {dtype} {shape} needs "
+                              f"{math.prod(shape) * _DTYPE_BYTES[dtype]}")
+    return begin, end
 
 
 def scan_checkpoint(ckpt: Path) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint directory, from its index (if any) and shard headers.
 
     Raises:
-        CheckpointError: no shards, an index naming a missing shard or a tensor its shard lacks.
+        CheckpointError: no shards, a malformed index, an index naming a missing shard or a tensor
+            its shard lacks, or a tensor stored in two shards.
     """
     index_path = ckpt / INDEX_FILE
     weight_map: dict[str, str] | None = None
     if index_path.is_file():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise CheckpointError(f"checkpoint: {INDEX_FILE} has no valid 'weight_map'") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v.endswith(".safetensors")
+                                                       and "/" not in v for v in weight_map.values()):
+            raise CheckpointError(f"checkpoint: {INDEX_FILE} 'weight_map' must map tensor names to shard file names")
+        if not weight_map:
+            raise CheckpointError(f"checkpoint: {INDEX_FILE} 'weight_map' lists no tensors")
         shards = sorted(set(weight_map.values()))
     else:
         shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
@@ -95,7 +138,10 @@ def scan_checkpoint(ckpt: Path) -> dict[str, StoredTensor]:
         path = ckpt / shard
         if not path.is_file():
             raise CheckpointError(f"checkpoint: shard {shard} named in {INDEX_FILE} is missing")
-        found.update(read_shard_header(path))
+        for name, t in read_shard_header(path).items():
+            if name in found:
+                raise CheckpointError(f"checkpoint: tensor '{name}' is stored in both {found[name].file} and {shard}")
+            found[name] = t
     for name, shard in (weight_map or {}).items():
         if name not in found or found[name].file != shard:
             raise CheckpointError(f"checkpoint: tensor '{name}' is listed in {INDEX_FILE} under {shard} "
@@ -134,9 +180,12 @@ class _Reader:
 
     def get(self, name: str) -> torch.Tensor:
         file = self.found[name].file
-        if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(str(self.ckpt / file), framework="pt"))
-        return self.handles[file].get_tensor(name)
+        try:
+            if file not in self.handles:
+                self.handles[file] = self.stack.enter_context(safe_open(str(self.ckpt / file), framework="pt"))
+            return self.handles[file].get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"checkpoint: shard {file}: tensor '{name}' cannot be read: {e}") from None
 
 
 def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:

@@ -49,7 +49,23 @@ def test_make_tiny_is_deterministic_and_refuses_nonempty_out(tmp_path, capsys):
     for f in sorted(os.listdir(tmp_path / "a")):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
     assert make_tiny_main(["--preset", "flash", "--out", str(tmp_path / "a")]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "not an empty directory" in capsys.readouterr().err
+
+
+def test_make_tiny_interrupted_leaves_nothing_and_bad_out_is_named(tmp_path, monkeypatch, capsys):
+    import engine.tiny as tiny
+
+    def boom(out):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tiny, "copy_tokenizer", boom)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.make_tiny("flash", 0, tmp_path / "m")
+    assert list(tmp_path.iterdir()) == []                            # no half checkpoint, no temp dir
+    (tmp_path / "file").write_text("x")
+    assert make_tiny_main(["--out", str(tmp_path / "file" / "sub")]) == 2
+    assert make_tiny_main(["--out", str(tmp_path), "--seed", str(2 ** 64)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'file' / 'sub'}: cannot write there" in err and "--seed must be in" in err
 
 
 def test_loader_fills_every_tensor_including_mtp(tiny_ckpt):
@@ -178,3 +194,51 @@ def test_config_inconsistent_with_shards(broken):
     del cfg["hidden_size"]
     (broken / "config.json").write_text(json.dumps(cfg))
     assert "missing required field 'hidden_size'" in _load_error(broken)
+
+
+def _write_header(path: Path, meta: dict, data: bytes = b""):
+    head = json.dumps(meta).encode()
+    path.unlink()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data)
+
+
+@pytest.mark.parametrize("meta, data, msg", [
+    ([1, 2], b"", "header that is not a JSON object"),
+    ({"a": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, "malformed header entry for tensor 'a'"),
+    ({"a": "x"}, b"", "malformed header entry for tensor 'a'"),
+    ({"a": {"dtype": "F32", "shape": None, "data_offsets": [0, 4]}}, b"\0" * 4, "malformed header entry"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, "spans 4 bytes, but F32 [2] needs 8"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 20, "16 unexpected bytes after"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [2, 6]}}, b"\0" * 8, "overlapping or non-contiguous"),
+    ({"__metadata__": {"format": 5}}, b"", "malformed __metadata__"),
+])
+def test_malformed_shard_header(broken, meta, data, msg):
+    shard = json.loads((broken / INDEX).read_text())["weight_map"]["embed.weight"]
+    _write_header(broken / shard, meta, data)
+    assert msg in _load_error(broken)
+
+
+@pytest.mark.parametrize("weight_map, msg", [
+    ([], "'weight_map' must map tensor names to shard file names"),
+    ({"embed.weight": 5}, "'weight_map' must map tensor names to shard file names"),
+    ({}, "'weight_map' lists no tensors"),
+])
+def test_malformed_index(broken, weight_map, msg):
+    (broken / INDEX).write_text(json.dumps({"weight_map": weight_map}))
+    assert msg in _load_error(broken)
+
+
+def test_tensor_in_two_shards(broken):
+    (broken / INDEX).unlink()
+    save_file({"norm.weight": torch.ones(256, dtype=torch.bfloat16)}, str(broken / "zz-extra.safetensors"))
+    assert "tensor 'norm.weight' is stored in both" in _load_error(broken)
+
+
+def test_tokenizer_config_errors_are_named(broken):
+    from engine.tokenizer import TokenizerError
+    for text, msg in [('{"bos_token": 5}', "'bos_token' must be a string"), ("[]", "expected a JSON object"),
+                      ("garbage", "tokenizer_config.json: invalid JSON")]:
+        (broken / "tokenizer_config.json").write_text(text)
+        with pytest.raises(TokenizerError, match=msg):
+            Tokenizer(broken)

@@ -71,6 +71,18 @@ def test_round_trip_to_dict():
     ({"expert_dtype": "int4"}, "expert_dtype"),
     ({"index_topk": 0}, "index_topk"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"rope_theta": 0}, "rope_theta"),                               # values that would give NaN logits
+    ({"compress_rope_theta": -1}, "compress_rope_theta"),
+    ({"routed_scaling_factor": 1e308}, "routed_scaling_factor"),
+    ({"hc_eps": 1e308}, "hc_eps"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ({"sliding_window": 10 ** 10}, "sliding_window"),                 # values that would exhaust memory
+    ({"index_topk": 10 ** 10}, "index_topk"),
+    ({"eos_token_id": 999999}, "eos_token_id"),
+    ({"bos_token_id": -5}, "bos_token_id"),
+    ({"rope_scaling": dict(YARN, factor=float("inf"))}, "rope_scaling.factor"),
+    ({"rope_scaling": dict(YARN, factor=0.5)}, "rope_scaling.factor"),
+    ({"max_position_embeddings": float("nan")}, "max_position_embeddings"),
 ])
 def test_bad_field_is_named(change, field):
     raw = dict(FLASH, **change)
@@ -87,6 +99,9 @@ def test_missing_and_invalid_file(tmp_path):
         ModelArgs.from_json(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="invalid JSON"):
+        ModelArgs.from_json(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ConfigError, match="config.json: invalid JSON"):
         ModelArgs.from_json(tmp_path)
 
 

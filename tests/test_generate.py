@@ -12,7 +12,17 @@ from engine.weights import load_model
 
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "engine.generate", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, errors="surrogateescape")
+
+
+def test_non_finite_logits_are_an_error_not_tokens(tiny_ckpt):
+    import pytest
+    from engine.generate import NonFiniteLogits
+
+    model = load_model(tiny_ckpt("flash", 1), progress=False)
+    model.head.weight.data[5] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="non-finite logits at position 2"):
+        generate_greedy(model, [0, 1, 2], 4)
 
 
 def test_generate_json_matches_in_process_greedy(tiny_ckpt):
@@ -52,6 +62,12 @@ def test_generate_bad_input_names_the_field(tiny_ckpt, tmp_path):
         (["--model", ckpt, "--prompt", "a", "--max-new-tokens", "-1"], "--max-new-tokens: must be >= 0"),
         (["--model", str(tmp_path / "nope"), "--prompt", "a"], "--model: directory"),
         (["--model", str(tmp_path), "--prompt", "a"], "config.json: not found"),
+        (["--model", "", "--prompt", "a"], "--model: directory"),
+        (["--model", ckpt, "--prompt-ids", "1,,2"], "--prompt-ids: expected comma-separated integers"),
+        (["--model", ckpt, "--prompt-ids", "1_0"], "--prompt-ids: expected comma-separated integers"),
+        (["--model", ckpt, "--prompt", "\udcff\udcfe"], "--prompt: not valid UTF-8"),
+        (["--model", ckpt, "--prompt-ids", "1", "--max-new-tokens", "1048576"],
+         "--max-new-tokens: prompt (1 tokens) + 1048576 new tokens exceeds the model's max_position_embeddings"),
     ]
     for args, msg in cases:
         r = cli(*args)

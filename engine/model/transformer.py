@@ -126,15 +126,19 @@ class Transformer(nn.Module):
         Returns:
             ``[T, H]`` final hidden states (after hc_head and the final norm), compute dtype.
         Raises:
-            ValueError: empty ``tokens`` or a position beyond ``max_position_embeddings``.
+            ValueError: empty ``tokens``, a sequence longer than ``max_position_embeddings``, or a
+                state built for another model. A failure mid-forward leaves ``state`` partly
+                advanced: the caller drops it (the request fails), it is never reused.
         """
         T = tokens.shape[0]
         start = state.num_tokens
         if T == 0:
             raise ValueError("forward: tokens must be non-empty")
         if start + T > self.args.max_position_embeddings:
-            raise ValueError(f"forward: position {start + T} exceeds max_position_embeddings "
+            raise ValueError(f"forward: sequence length {start + T} exceeds max_position_embeddings "
                              f"{self.args.max_position_embeddings}")
+        if len(state.layers) != len(self.layers):
+            raise ValueError(f"forward: state has {len(state.layers)} layers, the model {len(self.layers)}")
         a = self.args
         positions = torch.arange(start, start + T, device=tokens.device)
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
