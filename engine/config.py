@@ -134,13 +134,7 @@ class ModelArgs:
             p = p / "config.json"
         if not p.is_file():
             raise ConfigError(f"config.json: not found at {p}")
-        try:
-            raw = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config.json: invalid JSON at {p}: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config.json: expected a JSON object, found {type(raw).__name__}")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(p, ConfigError))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelArgs":
@@ -233,6 +227,17 @@ class ModelArgs:
                     getattr(self, name))
         if self.rope_scaling is not None:
             _validate_yarn(self.rope_scaling)
+
+
+def read_json_object(path: Path, error: type[Exception]) -> dict:
+    """A JSON file that must hold an object; ``error`` (naming the file) otherwise."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path.name}: invalid JSON at {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path.name}: expected a JSON object at {path}, found {type(raw).__name__}")
+    return raw
 
 
 def _expect(ok: bool, name: str, expected: str, found: Any) -> None:

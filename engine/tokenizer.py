@@ -1,10 +1,11 @@
 """The DeepSeek-V4 tokenizer: ``tokenizer.json`` of the checkpoint directory, via ``tokenizers``."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from engine.config import read_json_object
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -40,14 +41,7 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on parse errors
             raise TokenizerError(f"tokenizer: cannot read {path}: {e}") from None
         cfg_path = Path(ckpt_dir) / "tokenizer_config.json"
-        cfg = {}
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"tokenizer_config.json: invalid JSON at {cfg_path}: {e}") from None
-            if not isinstance(cfg, dict):
-                raise TokenizerError(f"tokenizer_config.json: expected a JSON object at {cfg_path}")
+        cfg = read_json_object(cfg_path, TokenizerError) if cfg_path.is_file() else {}
         bos = _token_text(cfg, "bos_token", BOS_TOKEN)
         eos = _token_text(cfg, "eos_token", EOS_TOKEN)
         self.bos_id, self.eos_id = self._tok.token_to_id(bos), self._tok.token_to_id(eos)
