@@ -256,4 +256,4 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
             target.copy_(t)
             bar.update()
         bar.close()
-    return model.to(device).eval()
+    return model.to(device).train(False)
