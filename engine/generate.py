@@ -24,6 +24,10 @@ from engine.weights import CheckpointError, load_model
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+class NonFiniteLogits(RuntimeError):
+    """NaN / inf logits: broken weights or config values; never turned into tokens."""
+
+
 def generate_greedy(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
                     eos_id: int | None = None, prefill_chunk: int = 8192) -> list[int]:
     """Greedy decoding: chunked prefill of ``prompt_ids``, then one token per step.
@@ -60,13 +64,10 @@ def generate_greedy(model: Transformer, prompt_ids: list[int], max_new_tokens: i
         logits = model.logits(model(torch.tensor(out[-1:]), state))
 
 
-class NonFiniteLogits(RuntimeError):
-    """NaN / inf logits: broken weights or config values; never turned into tokens."""
-
 
 def _parse_ids(text: str, vocab_size: int) -> list[int]:
     items = [t.strip() for t in text.split(",")]
-    if items == [""] or items == ["", ""]:
+    if not any(items):
         raise ValueError("--prompt-ids: expected at least one id")
     if not all(re.fullmatch(r"[0-9]+", t) for t in items):
         raise ValueError(f"--prompt-ids: expected comma-separated integers, found {text!r}")
