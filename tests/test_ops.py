@@ -153,3 +153,29 @@ def test_gating_hash_and_bias_only_selects():
     assert torch.allclose(w[0], picked / picked.sum() * 1.5)
     w2, ids2 = R.gating_topk(logits, None, torch.tensor([[3, 2]]), 2, 1.0)
     assert ids2.tolist() == [[3, 2]] and math.isclose(w2.sum().item(), 1.0, rel_tol=1e-6)
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    """Batch invariance at the op level: a row's GEMM / routing / mHC / rope result is the same
+    whether it is computed alone or among other rows (CPU BLAS and vector kernels round
+    differently for leftover rows; the reference pads and rounds from fp64 to avoid it)."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, 256, generator=g), torch.randn(129, 256, generator=g)
+    alone = torch.cat([R.linear(x[i:i + 1], w) for i in range(300)])
+    for M in list(range(1, 40)) + [127, 128, 129, 300]:
+        assert torch.equal(R.linear(x[:M], w), alone[:M]), M
+    xg, wg = torch.randn(40, 2, 64, generator=g), torch.randn(2 * 32, 64, generator=g)
+    alone = torch.cat([R.grouped_linear(xg[i:i + 1], wg) for i in range(40)])
+    assert all(torch.equal(R.grouped_linear(xg[:M], wg), alone[:M]) for M in range(1, 41))
+    logits, bias = torch.randn(50, 16, generator=g) * 4, torch.randn(16, generator=g)
+    alone = [R.gating_topk(logits[i:i + 1], bias, None, 6, 1.5) for i in range(50)]
+    for M in (2, 3, 17, 50):
+        wts, ids = R.gating_topk(logits[:M], bias, None, 6, 1.5)
+        assert torch.equal(wts, torch.cat([a[0] for a in alone[:M]])) and torch.equal(ids, torch.cat([a[1] for a in alone[:M]]))
+    n, H = 4, 64
+    X = torch.randn(33, n, H, generator=g)
+    fn, base, scale = torch.randn((2 + n) * n, n * H, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.rand(3, generator=g)
+    alone = [R.hc_pre(X[i:i + 1], fn, scale, base, 1e-6, 1e-6, 5) for i in range(33)]
+    for M in (2, 5, 33):
+        got = R.hc_pre(X[:M], fn, scale, base, 1e-6, 1e-6, 5)
+        assert all(torch.equal(t, torch.cat([a[k] for a in alone[:M]])) for k, t in enumerate(got))

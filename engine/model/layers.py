@@ -72,5 +72,7 @@ class RotaryTable:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions ``[T]`` int64 -> (cos, sin) ``[T, r/2]`` fp32."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)
-        return freqs.cos(), freqs.sin()
+        freqs = (positions.float()[:, None] * self.inv_freq.to(positions.device)).double()
+        # fp64 then round: CPU cos/sin take a vector or a scalar path by an element's place in the
+        # tensor, which rounds differently in fp32; rounded fp64 agrees (batch / chunk invariance)
+        return freqs.cos().float(), freqs.sin().float()

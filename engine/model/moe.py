@@ -5,7 +5,6 @@ Letters: T tokens, H hidden, E routed experts, I expert width, k experts per tok
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelArgs
@@ -32,7 +31,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, H]``, tokens ``[T]`` -> (weights ``[T, k]`` fp32, expert ids ``[T, k]``)."""
-        logits = F.linear(x.float(), self.weight)                                 # [T, E]
+        logits = self.ops.linear(x.float(), self.weight)                          # [T, E] fp32
         hash_ids = self.tid2eid[tokens] if self.tid2eid is not None else None
         return self.ops.gating_topk(logits, self.bias, hash_ids, self.k, self.scale)
 

@@ -15,6 +15,22 @@ import torch.nn.functional as F
 
 # Query-chunk budget: elements of one score block (T_chunk x h x keys) kept in fp32.
 SCORE_BUDGET = 1 << 23
+# CPU BLAS computes leftover rows (below its row-panel height) with other kernels that round
+# differently; padding every GEMM's row count to a multiple of this makes a row's result
+# independent of how many other rows (other requests' tokens, chunk sizes) share the call.
+GEMM_ROW_MULTIPLE = 8
+
+
+def _pad_rows(M: int) -> int:
+    return -(-M // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE - M
+
+
+def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
+    pad = _pad_rows(x.shape[0])
+    if pad == 0:
+        return F.linear(x, weight)
+    return F.linear(F.pad(x, (0, 0, 0, pad)), weight)[: x.shape[0]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -57,7 +73,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     The seam for quantised matmuls (FP8 block / W8A8 / MXFP4 kernels on devices).
     """
-    return F.linear(x, weight.to(x.dtype))
+    lead = x.shape[:-1]
+    return _gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -71,7 +88,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     T, G, K = x.shape
     w = weight.to(x.dtype).view(G, -1, K)
-    return torch.einsum("tgk,gnk->tgn", x, w)
+    pad = _pad_rows(T)                                                   # batch invariance, see _gemm
+    return torch.einsum("tgk,gnk->tgn", F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x, w)[:T]
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid via fp64: the CPU kernel's vector and scalar-tail paths round differently in
+    fp32, so on a small last dim (n = 4) a row's value would depend on the number of rows."""
+    return torch.sigmoid(x.double()).float()
 
 
 # ---- mHC (§3.2) ------------------------------------------------------------------------------
@@ -88,11 +112,11 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     T, n, H = X.shape
     flat = X.reshape(T, n * H).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mix = F.linear(flat, fn.float())                                   # [T, (2+n)*n]
+    mix = _gemm(flat, fn.float())                                   # [T, (2+n)*n]
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    pre = _sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * _sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.view(T, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
@@ -123,7 +147,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     T, n, H = X.shape
     flat = X.reshape(T, n * H).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = _sigmoid(_gemm(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
 
 
@@ -151,9 +175,9 @@ def compressor(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: tor
     d = width // 2 if overlap else width
     T = x.shape[0]
     xf = x.float()
-    kv = F.linear(xf, wkv.float())                                       # [T, c*d]
+    kv = _gemm(xf, wkv.float())                                       # [T, c*d]
     slot = (start_pos + torch.arange(T, device=x.device)) % m
-    score = F.linear(xf, wgate.float()) + ape.float()[slot]
+    score = _gemm(xf, wgate.float()) + ape.float()[slot]
     r = start_pos % m
     kv = torch.cat([state.kv[:r], kv])
     score = torch.cat([state.score[:r], score])
@@ -268,10 +292,16 @@ def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, 
     keys_per_q = window + (n_cmp if topk_idx is None else topk_idx.shape[1])
     # per query chunk: scores [t, h, keys] plus gathered keys [t, keys, d]
     step = max(1, min(T, SCORE_BUDGET // ((h + d) * keys_per_q)))
-    for t0 in range(0, T, step):
+    dense = cmp_kv is not None and topk_idx is None
+    p0 = int(positions[0]) if T else 0
+    t0 = 0
+    while t0 < T:
         t1 = min(T, t0 + step)
+        if dense:   # every query of a chunk sees the same entries: reductions keep one length
+            t1 = min(t1, (p0 + t0 + 1) // cmp_ratio * cmp_ratio + cmp_ratio - 1 - p0)
         out[t0:t1] = _attn_chunk(q[t0:t1], positions[t0:t1], win_kv, win_pos0, window, cmp_kv, cmp_ratio,
                                  None if topk_idx is None else topk_idx[t0:t1], sinks, scale)
+        t0 = t1
     return out
 
 
@@ -318,11 +348,15 @@ def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch
     Returns:
         ``weights [T, k]`` fp32, ``ids [T, k]`` int64.
     """
-    s = F.softplus(logits.float()).sqrt()
+    # softplus (threshold 20) in fp64, rounded: the fp32 CPU kernels round differently by an
+    # element's place in the tensor, which would make routing weights depend on the batch
+    x = logits.double()
+    s = torch.where(x > 20, x, torch.log1p(torch.exp(x))).float().sqrt()
     if hash_ids is not None:
         ids = hash_ids.long()
     else:
-        ids = torch.topk(s + bias.float(), k, dim=-1, sorted=False).indices
+        # ascending ids: the weight normaliser's summation order must not depend on topk's layout
+        ids = torch.topk(s + bias.float(), k, dim=-1, sorted=False).indices.sort(dim=-1).values
     w = s.gather(1, ids)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return w * routed_scaling, ids
@@ -330,7 +364,9 @@ def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (§3.7)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    g = gate.clamp(max=limit)
+    silu = F.silu(g.double()).to(g.dtype) if g.dtype == torch.float32 else F.silu(g)   # fp64: see _sigmoid
+    return silu * up.clamp(min=-limit, max=limit)
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -355,8 +391,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
             continue
         t_e = tok[start:start + c]
         xe = x[t_e]
-        h = swiglu_clamp(F.linear(xe, w1[e].to(x.dtype)), F.linear(xe, w3[e].to(x.dtype)), limit)
-        y = F.linear(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
+        h = swiglu_clamp(_gemm(xe, w1[e].to(x.dtype)), _gemm(xe, w3[e].to(x.dtype)), limit)
+        y = _gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
         out.index_add_(0, t_e, y)
         start += c
     return out.to(x.dtype)
