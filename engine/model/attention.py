@@ -52,13 +52,17 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.hidden_size, self.n_heads, torch.float32, ops)
         self.compressor = Compressor(args, CSA_RATIO, self.head_dim, rope, ops)
 
-    def forward(self, x: torch.Tensor, c_q: torch.Tensor, positions: torch.Tensor, start_pos: int,
-                state: LayerState, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]``, c_q ``[T, q_lora]`` -> top-k entry ids ``[T, index_topk]`` (-1 = none)."""
+    def project(self, x: torch.Tensor, c_q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Row-wise part for all packed tokens: x ``[T, H]``, c_q ``[T, q_lora]`` -> roped queries
+        ``[T, h_I, d_I]`` and head weights ``[T, h_I]`` fp32 (already * h_I^-0.5)."""
         T = x.shape[0]
-        state.idx_kv.append(self.compressor(x, start_pos, state.idx_comp, state.idx_kv.view().dtype))
         q = self.ops.rope(self.wq_b(c_q).view(T, self.n_heads, self.head_dim), cos, sin)
-        w = self.weights_proj(x.float()) * self.n_heads ** -0.5                 # [T, h_I] fp32
+        return q, self.weights_proj(x.float()) * self.n_heads ** -0.5
+
+    def select(self, x: torch.Tensor, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, start_pos: int,
+               state: LayerState) -> torch.Tensor:
+        """One sequence: compress its indexer keys, then top-k entry ids ``[T, index_topk]`` (-1 = none)."""
+        state.idx_kv.append(self.compressor(x, start_pos, state.idx_comp, state.idx_kv.view().dtype))
         return self.ops.indexer_topk(q, w, state.idx_kv.view(), positions, CSA_RATIO, self.topk,
                                      self.head_dim ** -0.5)
 
@@ -82,25 +86,36 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, ratio, d, rope, ops) if ratio else None
         self.indexer = Indexer(args, rope, dtype, ops) if ratio == CSA_RATIO else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, start_pos: int, state: LayerState,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` (normed) at positions ``start_pos ..``; cos/sin ``[T, r/2]`` of this layer's rope."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int, int]],
+                states: list[LayerState], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Packed tokens of several sequences -> attention output ``[T, H]``.
+
+        x ``[T, H]`` (normed); positions ``[T]``; spans: per sequence ``(offset, length, start_pos)``
+        into the packed rows; states: that sequence's state for this layer (updated in place);
+        cos/sin ``[T, r/2]`` of this layer's rope. Projections run over all rows at once; the window,
+        compressors, indexer and sparse attention run per sequence.
+        """
         T = x.shape[0]
         ops = self.ops
         c_q = self.q_norm(self.wq_a(x))                                           # [T, q_lora]
         q = self.wq_b(c_q).view(T, self.n_heads, self.head_dim)                   # [T, h, d]
         q = ops.rope(ops.rms_norm(q, None, self.eps), cos, sin)
         kv = ops.rope(self.kv_norm(self.wkv(x)), cos, sin)                        # [T, d]
-        win_kv, win_pos0 = state.window_keys(kv, start_pos)
-        state.write_window(kv, start_pos)
-        cmp_kv = topk = None
-        if self.compressor is not None:
-            state.cmp_kv.append(self.compressor(x, start_pos, state.comp, kv.dtype))
-            cmp_kv = state.cmp_kv.view()
-            if self.indexer is not None:
-                topk = self.indexer(x, c_q, positions, start_pos, state, cos, sin)
-        o = ops.sparse_attn(q, positions, win_kv, win_pos0, self.window, cmp_kv, self.ratio, topk,
-                            self.attn_sink, self.head_dim ** -0.5)
+        if self.indexer is not None:
+            iq, iw = self.indexer.project(x, c_q, cos, sin)
+        o = torch.empty_like(q)
+        for (off, n, start_pos), state in zip(spans, states):
+            sl = slice(off, off + n)
+            win_kv, win_pos0 = state.window_keys(kv[sl], start_pos)
+            state.write_window(kv[sl], start_pos)
+            cmp_kv = topk = None
+            if self.compressor is not None:
+                state.cmp_kv.append(self.compressor(x[sl], start_pos, state.comp, kv.dtype))
+                cmp_kv = state.cmp_kv.view()
+                if self.indexer is not None:
+                    topk = self.indexer.select(x[sl], iq[sl], iw[sl], positions[sl], start_pos, state)
+            o[sl] = ops.sparse_attn(q[sl], positions[sl], win_kv, win_pos0, self.window, cmp_kv, self.ratio, topk,
+                                    self.attn_sink, self.head_dim ** -0.5)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
         o = ops.grouped_linear(o.reshape(T, self.n_groups, -1), self.wo_a.weight)  # [T, G, o_lora]
         return self.wo_b(o.flatten(1))

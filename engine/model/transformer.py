@@ -40,11 +40,15 @@ class Block(nn.Module):
         return self.ops.hc_pre(X, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
                                getattr(self, f"hc_{site}_base"), a.rms_norm_eps, a.hc_eps, a.hc_sinkhorn_iters)
 
-    def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start_pos: int,
-                state: LayerState, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """X ``[T, n, H]`` fp32 residual streams -> ``[T, n, H]`` fp32; blocks compute in ``self.dtype``."""
+    def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                spans: list[tuple[int, int, int]], states: list[LayerState], cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """X ``[T, n, H]`` fp32 residual streams -> ``[T, n, H]`` fp32; blocks compute in ``self.dtype``.
+
+        Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states).
+        """
         y, post, comb = self._hc_pre(X, "attn")
-        a = self.attn(self.attn_norm(y).to(self.dtype), positions, start_pos, state, cos, sin)
+        a = self.attn(self.attn_norm(y).to(self.dtype), positions, spans, states, cos, sin)
         X = self.ops.hc_post(a, X, post, comb)
         y, post, comb = self._hc_pre(X, "ffn")
         m = self.ffn(self.ffn_norm(y).to(self.dtype), tokens)
@@ -77,7 +81,7 @@ class MTPBlock(Block):
         a = self.args
         z = self.e_proj(self.enorm(emb_next)) + self.h_proj(self.hnorm(h_main))
         X = z.float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        X = self.forward(X, tokens_next, positions, start_pos, state, cos, sin)
+        X = self.forward(X, tokens_next, positions, [(0, X.shape[0], start_pos)], [state], cos, sin)
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return self.norm(h).to(self.dtype)
 
@@ -118,35 +122,60 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:
-        """Run ``tokens`` (the next ``T`` tokens of the sequence) and advance ``state``.
+        """Run ``tokens`` (the next ``T`` tokens of one sequence) and advance ``state``.
 
         Args:
             tokens: ``[T]`` int64 token ids at positions ``state.num_tokens ..``.
-            state: the sequence's decode state (from ``new_state``); updated in place.
+            state: the sequence's decode state (``new_state`` or a paged one); updated in place.
         Returns:
             ``[T, H]`` final hidden states (after hc_head and the final norm), compute dtype.
         Raises:
-            ValueError: empty ``tokens``, a sequence longer than ``max_position_embeddings``, or a
-                state built for another model. A failure mid-forward leaves ``state`` partly
-                advanced: the caller drops it (the request fails), it is never reused.
+            ValueError: as ``forward_batch``.
         """
-        T = tokens.shape[0]
-        start = state.num_tokens
-        if T == 0:
-            raise ValueError("forward: tokens must be non-empty")
-        if start + T > self.args.max_position_embeddings:
-            raise ValueError(f"forward: sequence length {start + T} exceeds max_position_embeddings "
-                             f"{self.args.max_position_embeddings}")
-        if len(state.layers) != len(self.layers):
-            raise ValueError(f"forward: state has {len(state.layers)} layers, the model {len(self.layers)}")
+        return self.forward_batch(tokens, [state], [tokens.shape[0]])
+
+    @torch.no_grad()
+    def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
+        """Run a batch of sequences packed into one token row (chunked prefill and decode mixed).
+
+        Sequence i contributes ``lengths[i]`` consecutive tokens at positions
+        ``states[i].num_tokens ..``; each ``states[i]`` (``SequenceState`` or ``PagedSequenceState``)
+        advances by its length. A row's result does not depend on the other sequences in the batch.
+
+        Args:
+            tokens: ``[sum(lengths)]`` int64. states: one per sequence. lengths: tokens per sequence.
+        Returns:
+            ``[sum(lengths), H]`` final hidden states, compute dtype.
+        Raises:
+            ValueError: an empty sequence, a sequence longer than ``max_position_embeddings``, or a
+                state built for another model. A failure mid-forward leaves the states partly
+                advanced: the caller drops them (the requests fail), they are never reused.
+        """
         a = self.args
-        positions = torch.arange(start, start + T, device=tokens.device)
+        if len(states) != len(lengths) or sum(lengths) != tokens.shape[0]:
+            raise ValueError(f"forward: {len(states)} states, lengths {lengths} for {tokens.shape[0]} tokens")
+        spans, pos, off = [], [], 0
+        for st, n in zip(states, lengths):
+            start = st.num_tokens
+            if n <= 0:
+                raise ValueError("forward: tokens must be non-empty")
+            if start + n > a.max_position_embeddings:
+                raise ValueError(f"forward: sequence length {start + n} exceeds max_position_embeddings "
+                                 f"{a.max_position_embeddings}")
+            if len(st.layers) != len(self.layers):
+                raise ValueError(f"forward: state has {len(st.layers)} layers, the model {len(self.layers)}")
+            spans.append((off, n, start))
+            pos.append(torch.arange(start, start + n, device=tokens.device))
+            off += n
+        positions = torch.cat(pos)
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
         X = F.embedding(tokens, self.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        for layer, st in zip(self.layers, state.layers):
-            X = layer(X, tokens, positions, start, st, *(compress if layer.attn.ratio else main))
-        state.num_tokens = start + T
+        for i, layer in enumerate(self.layers):
+            X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
+                      *(compress if layer.attn.ratio else main))
+        for st, n in zip(states, lengths):
+            st.num_tokens += n
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return self.norm(h).to(self.dtype)
 
