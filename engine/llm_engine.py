@@ -1,0 +1,246 @@
+"""The serving engine of one worker: requests in, tokens out, many requests per forward.
+
+``LLMEngine`` = paged state pools (``engine.cache``) + scheduler (``engine.scheduler``) + the model
++ sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
+what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache import CacheConfig, Geometry, PagedCache, plan_cache
+from engine.config import CSA_RATIO, HCA_RATIO
+from engine.model.transformer import Transformer
+from engine.sampling import Sampled, SampleRow, SamplingParams, sample
+from engine.scheduler import Scheduler, SchedulerLimits
+from engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; the message names the field (prompt, max_new_tokens, ...)."""
+
+
+@dataclass
+class StepStats:
+    """Cumulative wall time (s) split into scheduling, model forward + logits, and sampling."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+    tokens: int = 0
+    history: list[tuple[int, int, float, float]] = field(default_factory=list)  # (seqs, tokens, sched_s, model_s)
+
+
+def kv_budget_bytes(model: Transformer, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
+    """State budget: ``mem_fraction_static`` x memory - weight bytes (device memory on CUDA; on CPU
+    the configured ``cpu_memory_bytes``, there being no device to query)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dev = model.embed.weight.device
+    total = torch.cuda.mem_get_info(dev)[1] if dev.type == "cuda" else cpu_memory_bytes
+    return int(total * mem_fraction_static) - weights
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: a loaded ``Transformer``.
+        cache_config: pool sizes (``plan_cache`` or explicit, e.g. in tests).
+        limits: scheduler limits. ``max_model_len`` must fit one request in the pools.
+        eos_ids: token ids that end a sample unless ``ignore_eos``.
+    Raises:
+        ValueError: the pools cannot hold one ``max_model_len`` request.
+    """
+
+    def __init__(self, model: Transformer, cache_config: CacheConfig, limits: SchedulerLimits,
+                 eos_ids: tuple[int, ...] = ()):
+        self.model, self.limits, self.eos_ids = model, limits, frozenset(eos_ids)
+        self.cache = PagedCache(model.args, cache_config, model.dtype, model.embed.weight.device)
+        cap = self.max_tokens_per_request()
+        if limits.max_model_len > cap:
+            raise ValueError(f"scheduler_config.max_model_len: {limits.max_model_len} tokens do not fit the state "
+                             f"pools, which hold {cap} tokens per request; lower max_model_len or raise "
+                             f"mem_fraction_static / cpu_memory_gb / num_kv_blocks")
+        self.scheduler = Scheduler(self.cache, limits)
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = StepStats()
+        self._finished_out: list[RequestOutput] = []
+
+    @classmethod
+    def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
+              max_model_len: int | None = None, mem_fraction_static: float = 0.85,
+              cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None,
+              num_reserved_decode_tokens: int = 64, eos_ids: tuple[int, ...] | None = None) -> "LLMEngine":
+        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks) and build the engine.
+
+        ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
+        """
+        a = model.args
+        if num_kv_blocks is not None:
+            cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks,
+                                                       "c128": max(1, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))})
+        else:
+            budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
+            cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+        if max_model_len is None:
+            max_model_len = min(a.max_position_embeddings, _capacity(Geometry.of(a, block_size), cfg))
+        limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
+        return cls(model, cfg, limits, (a.eos_token_id,) if eos_ids is None else eos_ids)
+
+    def max_tokens_per_request(self) -> int:
+        """Longest request (tokens) the pools can hold on their own."""
+        return min(_capacity(self.cache.geometry, self.cache.config), self.model.args.max_position_embeddings)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises RequestError naming the bad field (nothing is held then)."""
+        if request_id in self.seqs:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("prompt: must contain at least one token")
+        V = self.model.args.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token id {bad!r} is not in [0, {V})")
+        if len(prompt_ids) >= self.limits.max_model_len:
+            raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within the context "
+                               f"limit max_model_len={self.limits.max_model_len}")
+        if not isinstance(params, SamplingParams):
+            raise RequestError("sampling_params: must be a SamplingParams")
+        seq = Sequence(request_id, list(prompt_ids), params.with_seed())
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is (queued, prefilling, decoding); frees its state at once.
+
+        Returns False if it is unknown or already finished. Its final output (``finish_reason``
+        abort) comes from the next ``step``.
+        """
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._finished_out)
+
+    def num_free_blocks(self) -> dict[str, int]:
+        """Free blocks per pool (``state``: request slots). Equal to ``num_total_blocks`` when idle."""
+        return self.cache.num_free()
+
+    def num_total_blocks(self) -> dict[str, int]:
+        return self.cache.num_total()
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; returns outputs of requests that got tokens or finished."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        outputs, self._finished_out = self._finished_out, []
+        if batch:
+            outputs += self._run(batch)
+        outputs, self._finished_out = outputs + self._finished_out, []
+        t2 = time.perf_counter()
+        st = self.stats
+        st.steps += 1
+        st.schedule_s += t1 - t0
+        st.model_s += t2 - t1
+        st.tokens += sum(batch.num_tokens)
+        st.history.append((len(batch.seqs), sum(batch.num_tokens), t1 - t0, t2 - t1))
+        del st.history[:-4096]
+        return outputs
+
+    def _run(self, batch) -> list[RequestOutput]:
+        m = self.model
+        dev = m.embed.weight.device
+        states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
+        ids = [t for s, n in zip(batch.seqs, batch.num_tokens) for t in s.pending_ids(n)]
+        tokens = torch.tensor(ids, dtype=torch.long, device=dev)
+        try:
+            hidden = m.forward_batch(tokens, states, batch.num_tokens)
+        except Exception:
+            # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
+            log.exception("forward failed; failing %d requests", len(batch.seqs))
+            for s in batch.seqs:
+                self._finish(s, FinishReason.ABORT)
+            return []
+        rows, last, off = [], [], 0
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            s.num_computed += n
+            off += n
+            if s.num_pending == 0:
+                rows.append(s)
+                last.append(off - 1)
+        if not rows:
+            return []
+        logits = m.logits(hidden[torch.tensor(last, device=dev)])
+        t = time.perf_counter()
+        sampled = sample(logits, [SampleRow(s.params, s.num_tokens, s.prompt_ids, s.output_ids) for s in rows])
+        self.stats.sample_s += time.perf_counter() - t
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        now = time.monotonic()
+        outs = []
+        for s, smp, ok in zip(rows, sampled, finite):
+            if not ok:
+                log.error("request %s: non-finite logits at position %d; aborted", s.seq_id, s.num_tokens)
+                self._finish(s, FinishReason.ABORT)
+                continue
+            outs.append(self._append(s, smp, now))
+        return outs
+
+    def _append(self, s: Sequence, smp: Sampled, now: float) -> RequestOutput:
+        s.output_ids.append(smp.token_id)
+        s.logprobs.append(smp)
+        if s.first_token_time is None:
+            s.first_token_time = now
+        s.token_times.append(now)
+        p, tok = s.params, smp.token_id
+        reason = None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif len(s.output_ids) >= p.max_new_tokens or s.num_tokens >= self.limits.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(s, reason)
+            del self.seqs[s.seq_id]
+        return RequestOutput(s.seq_id, [tok], [smp], reason is not None, reason, len(s.prompt_ids),
+                             len(s.output_ids))
+
+    def _finish(self, s: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(s, reason)
+        self.seqs.pop(s.seq_id, None)
+        self._finished_out.append(RequestOutput(s.seq_id, [], [], True, reason, len(s.prompt_ids),
+                                                len(s.output_ids)))
+
+    # ---- convenience ---------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Run prompts to completion (offline use, tests). Returns the finished sequences in order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+        seqs = {}
+        for rid, pr, p in zip(ids, prompts, plist):
+            self.add_request(rid, pr, p)
+            seqs[rid] = self.seqs[rid]
+        while self.has_unfinished():
+            self.step()
+        return [seqs[r] for r in ids]
+
+
+def _capacity(g: Geometry, cfg: CacheConfig) -> int:
+    """Tokens one request can hold given the growing pools' block counts."""
+    cap = []
+    for p, m in (("c4", CSA_RATIO), ("c128", HCA_RATIO)):
+        if g.blocks_needed(p, 1 << 40):
+            cap.append((cfg.num_blocks.get(p, 0) * g.block_size + 1) * m - 1)
+    return min(cap) if cap else 1 << 40

@@ -1,0 +1,134 @@
+"""Continuous batching with chunked prefill, admission by free state, and preemption by recompute.
+
+Each step (vLLM v1 / nano-vllm style; fixes upstream-baseline.md §4.3's livelock and dropped
+retractions):
+  1. every running request with one pending token decodes; if its state cannot grow, the latest
+     arrived running request is preempted (state freed, re-queued to recompute), possibly itself;
+  2. running requests still prefilling get chunks, FIFO, within ``max_prefill_tokens``;
+  3. queued requests are admitted FIFO while fewer than ``batch_size`` run, prefill budget
+     remains, and their whole pending prompt plus ``num_reserved_decode_tokens`` fits; the head
+     that does not fit waits for the next step (no skipping, no spinning).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.cache import PagedCache
+from engine.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """batch_size: requests holding state (prefilling + decoding); max_prefill_tokens: prefill
+    tokens per step; max_model_len: tokens per request; num_reserved_decode_tokens: decode room
+    taken at admission so a new request does not preempt at its first steps."""
+
+    batch_size: int
+    max_prefill_tokens: int
+    max_model_len: int
+    num_reserved_decode_tokens: int = 64
+
+    def __post_init__(self):
+        for k in ("batch_size", "max_prefill_tokens", "max_model_len"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"scheduler: {k} must be >= 1, got {getattr(self, k)}")
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``num_tokens[i]`` pending tokens of ``seqs[i]``; who was preempted."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    """Owns the waiting queue (arrival order) and the running set, and their cache holdings."""
+
+    def __init__(self, cache: PagedCache, limits: SchedulerLimits):
+        self.cache, self.limits = cache, limits
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._order = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        seq.order, self._order = self._order, self._order + 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self.waiting, seq, key=lambda s: s.order)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _target(self, seq: Sequence) -> int:
+        """Tokens to hold at admission: the pending sequence plus the decode reserve."""
+        return min(seq.num_tokens + self.limits.num_reserved_decode_tokens, self.limits.max_model_len)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        # 1. decodes (and single-token remainders), oldest first; preempt the newest on a full cache
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+                continue
+            while not self.cache.can_allocate(seq.seq_id, seq.num_tokens):
+                victim = max(self.running, key=lambda s: s.order)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                self.cache.allocate(seq.seq_id, seq.num_tokens)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(1)
+        # 2. prefill chunks of running requests
+        budget = self.limits.max_prefill_tokens
+        for seq in sorted(self.running, key=lambda s: s.order):
+            if budget == 0:
+                break
+            if seq.num_pending > 1:
+                n = min(seq.num_pending, budget)
+                budget -= n
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+        # 3. admission
+        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
+            seq = self.waiting[0]
+            if not self.cache.can_allocate(seq.seq_id, self._target(seq)):
+                break
+            self.cache.allocate(seq.seq_id, self._target(seq))
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_pending, budget)
+            budget -= n
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s state and re-queue it; it recomputes prompt + output on readmission."""
+        self.cache.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self._enqueue(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Mark ``seq`` finished and free all it holds, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,78 @@
+"""A request inside the engine: its tokens, progress and timing."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import Sampled, SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"          # queued (new, or preempted and waiting to recompute)
+    RUNNING = "running"          # holds decode state: prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"                # EOS or a stop token id
+    LENGTH = "length"            # max_new_tokens or the context limit
+    ABORT = "abort"              # aborted by the caller
+
+
+@dataclass
+class Sequence:
+    """One sample: prompt ids, generated ids, and how many tokens the cache holds.
+
+    ``num_computed``: tokens whose decode state is in the cache. The tokens still to run are
+    ``all_ids[num_computed:]``: the prompt (or, after preemption, prompt + output to recompute),
+    or the last sampled token while decoding.
+    """
+
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    order: int = 0                # admission priority: position in arrival order
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[Sampled] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to run before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_pending > 1 or not self.output_ids
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def pending_ids(self, count: int) -> list[int]:
+        """The next ``count`` tokens to run."""
+        return [self.token(i) for i in range(self.num_computed, self.num_computed + count)]
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (new tokens since the last output)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Sampled]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
