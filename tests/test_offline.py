@@ -1,0 +1,76 @@
+"""dsv4-offline: real CLI process on a tiny checkpoint and the bundled InfiniteBench-shaped sample."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.build import build_engine
+from engine.dataset import build_prompt, load_dataset
+from engine.offline import encode_sample
+from engine.run_config import RunConfig
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "data" / "infinitebench_sample.jsonl"
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "engine.offline", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def config_file(tiny_ckpt, tmp_path_factory):
+    raw = yaml.safe_load((ROOT / "configs" / "tiny-flash.yaml").read_text())
+    raw["model_config"]["model_path"] = str(tiny_ckpt("flash", 1))
+    raw["data_config"]["dataset_path"] = str(SAMPLE)
+    raw["data_config"]["input_truncated_len"] = 200
+    raw["scheduler_config"].update(max_new_tokens=6, batch_size=3, max_prefill_tokens=128)
+    path = tmp_path_factory.mktemp("cfg") / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_offline_outputs_match_the_engine_run_alone(config_file, tmp_path):
+    out = tmp_path / "out.jsonl"
+    r = _cli("--config", config_file, "--out", out, "--limit", 4, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["samples"] == 4 and summary["output_tokens"] == 24
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    cfg = RunConfig.from_yaml(config_file)
+    samples = load_dataset(SAMPLE)[:4]
+    assert [r["id"] for r in rows] == [s.id for s in samples]
+    tok = Tokenizer(cfg.model_config.model_path)
+    eng = build_engine(cfg, progress=False)
+    for row, s in zip(rows, samples):
+        ids = encode_sample(tok, build_prompt(s), 200)
+        assert row["prompt_tokens"] == len(ids) and ids.count(tok.bos_id) == 1
+        ref = eng.generate([ids], SamplingParams(max_new_tokens=6, temperature=0))[0]
+        assert row["output_ids"] == ref.output_ids                 # batched run == one at a time
+        assert row["text"] == tok.decode(ref.output_ids, skip_special_tokens=True)
+        assert row["finish_reason"] == "length" and row["answer"] == list(s.answer)
+        lat = row["token_latencies_s"]
+        assert len(lat) == 6 and lat[0] == row["ttft_s"] and all(x >= 0 for x in lat)
+
+
+def test_offline_bad_arguments_name_the_flag(config_file, tmp_path):
+    cases = [
+        ((), "one of --config or --model"),
+        (("--config", tmp_path / "missing.yaml"), "missing.yaml"),
+        (("--model", tmp_path, "--dataset", SAMPLE), "--model"),
+        (("--config", config_file, "--dataset", tmp_path / "none.jsonl"), "none.jsonl"),
+        (("--config", config_file, "--limit", 0), "--limit"),
+    ]
+    for args, msg in cases:
+        r = _cli(*args, "--out", tmp_path / "o.jsonl")
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = _cli("--config", config_file, "--out", tmp_path / "no" / "dir.jsonl")
+    assert r.returncode == 2 and "--out" in r.stderr
+    assert not (tmp_path / "o.jsonl").exists()
