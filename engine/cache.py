@@ -100,25 +100,27 @@ def plan_cache(args: ModelArgs, dtype: torch.dtype, block_size: int, max_seqs: i
                next_n: int = 0) -> CacheConfig:
     """Size the pools from a byte budget (``mem_fraction_static`` x memory - weights).
 
-    Fixed parts (window ring and compressor state for ``max_seqs`` requests) come first; the rest
-    is split between the CSA and HCA pools so both fill at the same token count.
+    Fixed parts (window ring, compressor state and a first block of each growing pool for
+    ``max_seqs`` requests: a request holds whole blocks, so short ones would otherwise starve
+    the HCA pool) come first; the rest is split between the CSA and HCA pools so both fill at the
+    same token count.
 
     Raises:
         ValueError: the budget does not hold the fixed parts plus one block of each growing pool.
     """
     g = Geometry.of(args, block_size, next_n)
     esize = torch.empty(0, dtype=dtype).element_size()
-    fixed = max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
     growing = {p: g.bytes_per_block(p, esize) for p in GROWING if g.bytes_per_block(p, esize)}
-    minimum = fixed + sum(growing.values())
-    if budget_bytes < minimum:
-        raise ValueError(f"cache: a budget of {budget_bytes} bytes is below the minimum {minimum} bytes "
-                         f"(window ring + compressor state for {max_seqs} requests + one block per pool); "
+    fixed = max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
+                        + sum(growing.values()))
+    if budget_bytes < fixed:
+        raise ValueError(f"cache: a budget of {budget_bytes} bytes is below the minimum {fixed} bytes "
+                         f"(window ring, compressor state and one block per pool for {max_seqs} requests); "
                          f"raise mem_fraction_static / cpu_memory_gb or lower batch_size")
     ratio = {"c4": CSA_RATIO, "c128": HCA_RATIO}
     per_token = sum(b / (ratio[p] * block_size) for p, b in growing.items())
     tokens = (budget_bytes - fixed) / per_token
-    blocks = {p: max(1, int(tokens // (ratio[p] * block_size))) for p in growing}
+    blocks = {p: max_seqs + int(tokens // (ratio[p] * block_size)) for p in growing}
     return CacheConfig(block_size, max_seqs, blocks, next_n)
 
 

@@ -81,12 +81,16 @@ class LLMEngine:
               num_reserved_decode_tokens: int = 64, eos_ids: tuple[int, ...] | None = None) -> "LLMEngine":
         """Size the pools from memory (or ``num_kv_blocks`` CSA blocks) and build the engine.
 
+        ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
+        same token reach and at least ``batch_size`` blocks.
+
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
         if num_kv_blocks is not None:
-            cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks,
-                                                       "c128": max(1, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))})
+            # HCA blocks: the same token reach as the CSA pool, and at least one per running request
+            c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
+            cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
         else:
             budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
             cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
