@@ -40,11 +40,15 @@ class StepStats:
 
 
 def kv_budget_bytes(model: Transformer, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
-    """State budget: ``mem_fraction_static`` x memory - weight bytes (device memory on CUDA; on CPU
-    the configured ``cpu_memory_bytes``, there being no device to query)."""
+    """State budget (bytes): ``mem_fraction_static`` x memory - weight bytes. Memory is the device
+    total on CUDA / Ascend (``torch.npu`` exists once torch_npu is imported), and the configured
+    ``cpu_memory_bytes`` on CPU, there being no device to query."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     dev = model.embed.weight.device
-    total = torch.cuda.mem_get_info(dev)[1] if dev.type == "cuda" else cpu_memory_bytes
+    if dev.type in ("cuda", "npu"):
+        total = getattr(torch, dev.type).mem_get_info(dev)[1]
+    else:
+        total = cpu_memory_bytes
     return int(total * mem_fraction_static) - weights
 
 
