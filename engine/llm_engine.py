@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache import CacheConfig, Geometry, PagedCache, plan_cache
+from engine.cache import CacheConfig, CacheFullError, Geometry, PagedCache, load_state_tensors, plan_cache, state_tensors
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.transformer import Transformer
 from engine.sampling import Sampled, SampleRow, SamplingParams, sample
@@ -75,6 +75,7 @@ class LLMEngine:
                              f"mem_fraction_static / cpu_memory_gb / num_kv_blocks")
         self.scheduler = Scheduler(self.cache, limits)
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}      # finished, state kept for export (prefill role)
         self.stats = StepStats()
         self._finished_out: list[RequestOutput] = []
 
@@ -108,9 +109,20 @@ class LLMEngine:
         return min(_capacity(self.cache.geometry, self.cache.config), self.model.args.max_position_embeddings)
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises RequestError naming the bad field (nothing is held then)."""
-        if request_id in self.seqs:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    hold_state: bool = False) -> None:
+        """Queue a request. Raises RequestError naming the bad field (nothing is held then).
+
+        ``hold_state`` (prefill role): when it finishes normally its decode state stays in the
+        pools for ``export_state`` until ``release``.
+        """
+        self._check_new(request_id, prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), hold_state=hold_state)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.seqs or request_id in self.held:
             raise RequestError(f"request_id: {request_id!r} is already running")
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("prompt: must contain at least one token")
@@ -123,9 +135,50 @@ class LLMEngine:
                                f"limit max_model_len={self.limits.max_model_len}")
         if not isinstance(params, SamplingParams):
             raise RequestError("sampling_params: must be a SamplingParams")
-        seq = Sequence(request_id, list(prompt_ids), params.with_seed())
+
+    # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
+    def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
+        """A held request (``hold_state``, finished) and its state tensors (``cache.state_tensors``
+        at L = prompt length: the sampled first token is not yet in the state). Raises KeyError."""
+        seq = self.held[request_id]
+        return seq, state_tensors(self.cache, request_id, seq.num_computed)
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's state. False if it holds none."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        self.cache.free(request_id)
+        return True
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                      tensors: dict[str, torch.Tensor]) -> None:
+        """Join a request prefilled elsewhere: its state for L = len(prompt_ids) and token #1.
+
+        Decoding continues exactly as if this engine had prefilled it (same seed -> same tokens).
+        Raises:
+            RequestError: a bad field, or state tensors that do not match this model (``state``).
+            CacheFullError: no room (state blocks or ``batch_size``); nothing is held then.
+        """
+        self._check_new(request_id, prompt_ids, params)
+        if not isinstance(first_token, int) or not 0 <= first_token < self.model.args.vocab_size:
+            raise RequestError(f"first_token: {first_token!r} is not a token id")
+        if params.seed is None:
+            raise RequestError("sampling_params.seed: must be the seed prefill sampled with")
+        L = len(prompt_ids)
+        if len(self.scheduler.running) >= self.limits.batch_size:
+            raise CacheFullError(f"batch full: {self.limits.batch_size} requests running")
+        self.cache.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
+        try:
+            load_state_tensors(self.cache, request_id, L, tensors)
+        except ValueError as e:
+            self.cache.free(request_id)
+            raise RequestError(f"state: {e}") from None
+        seq = Sequence(request_id, list(prompt_ids), params, num_computed=L)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add_running(seq)
+        out = self._append(seq, Sampled(first_token), time.monotonic())
+        if out.finished:
+            self._finished_out.append(out)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (queued, prefilling, decoding); frees its state at once.
@@ -133,6 +186,8 @@ class LLMEngine:
         Returns False if it is unknown or already finished. Its final output (``finish_reason``
         abort) comes from the next ``step``.
         """
+        if self.release(request_id):
+            return True
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return False
@@ -220,8 +275,10 @@ class LLMEngine:
         elif len(s.output_ids) >= p.max_new_tokens or s.num_tokens >= self.limits.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(s, reason)
+            self.scheduler.finish(s, reason, keep_state=s.hold_state)
             del self.seqs[s.seq_id]
+            if s.hold_state:
+                self.held[s.seq_id] = s
         return RequestOutput(s.seq_id, [tok], [smp], reason is not None, reason, len(s.prompt_ids),
                              len(s.output_ids))
 

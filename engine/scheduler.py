@@ -62,6 +62,12 @@ class Scheduler:
         seq.order, self._order = self._order, self._order + 1
         self._enqueue(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Join a request whose state is already in the cache (P/D: imported from prefill)."""
+        seq.order, self._order = self._order, self._order + 1
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=lambda s: s.order)
 
@@ -123,12 +129,14 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark ``seq`` finished and free all it holds, wherever it is."""
+    def finish(self, seq: Sequence, reason: FinishReason, keep_state: bool = False) -> None:
+        """Mark ``seq`` finished and free all it holds, wherever it is (``keep_state``: leave its
+        cache holdings for the caller to export and free)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.free(seq.seq_id)
+        if not keep_state:
+            self.cache.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -40,6 +40,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    hold_state: bool = False      # prefill role: keep the state after finishing, for export
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
