@@ -1,0 +1,112 @@
+"""Self-describing wire format for one request's decode state (prefill -> decode).
+
+A message is a list of frames: frame 0 is a msgpack header, frames 1..n the raw bytes of the
+tensors it lists, in order (the layout of ``engine.cache.state_tensors``: layer by layer, so a
+sender can push each layer as it becomes final). No pickle: the header is msgpack of plain types,
+tensor bytes are reinterpreted with the dtype the header names. Header fields:
+
+    v            format version (1)
+    transfer_id  issued by the gateway, never reused (fencing)
+    fingerprint  ``model_fingerprint`` of the sender's model (refused on mismatch)
+    num_tokens   L, the prompt tokens the state covers
+    first_token  token #1, sampled by prefill
+    tensors      [{name, dtype, shape, nbytes, crc32}] in frame order
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+
+import msgpack
+import torch
+
+VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+           "uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+MAX_HEADER_BYTES = 1 << 20
+
+
+class TransferError(ValueError):
+    """A state message that must not be decoded: malformed, corrupted, or for another model."""
+
+
+def model_fingerprint(config: dict, kv_dtype: torch.dtype, block_layout: dict | None = None) -> str:
+    """sha256 over the checkpoint config (canonical JSON), the KV dtype and the state layout.
+
+    Both sides compute it; equal fingerprints mean the state tensors mean the same thing.
+    """
+    blob = json.dumps({"config": config, "kv_dtype": _NAMES[kv_dtype], "layout": block_layout or {}},
+                      sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def encode_state(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
+                 tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """Header frame + one zero-copy frame per tensor (CPU, contiguous). Returns the frames."""
+    metas, frames = [], []
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        buf = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        metas.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape), "nbytes": buf.nbytes,
+                      "crc32": zlib.crc32(buf)})
+        frames.append(buf)
+    header = {"v": VERSION, "transfer_id": transfer_id, "fingerprint": fingerprint, "num_tokens": num_tokens,
+              "first_token": first_token, "tensors": metas}
+    return [msgpack.packb(header), *frames]
+
+
+def decode_header(frame: bytes | memoryview) -> dict:
+    """Parse and check the header frame. Raises TransferError naming what is wrong."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise TransferError(f"header: {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        h = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise TransferError(f"header: not msgpack ({type(e).__name__})") from None
+    if not isinstance(h, dict) or h.get("v") != VERSION:
+        raise TransferError(f"header: expected a version {VERSION} map")
+    for key, typ in (("transfer_id", str), ("fingerprint", str), ("num_tokens", int), ("first_token", int),
+                     ("tensors", list)):
+        if not isinstance(h.get(key), typ) or isinstance(h.get(key), bool):
+            raise TransferError(f"header.{key}: missing or not {typ.__name__}")
+    for i, m in enumerate(h["tensors"]):
+        ok = (isinstance(m, dict) and isinstance(m.get("name"), str) and m.get("dtype") in _DTYPES
+              and isinstance(m.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in m["shape"])
+              and isinstance(m.get("nbytes"), int) and isinstance(m.get("crc32"), int))
+        if not ok:
+            raise TransferError(f"header.tensors[{i}]: malformed entry")
+        numel = 1
+        for x in m["shape"]:
+            numel *= x
+        if numel * torch.empty(0, dtype=_DTYPES[m["dtype"]]).element_size() != m["nbytes"]:
+            raise TransferError(f"header.tensors[{i}] ({m['name']}): nbytes does not match dtype x shape")
+    return h
+
+
+def decode_state(frames: list[bytes | memoryview], fingerprint: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Frames -> (header, name -> tensor). Checks version, model fingerprint, frame count, sizes
+    and every tensor's crc32 before returning anything.
+
+    Raises:
+        TransferError: any mismatch (the message names the field or tensor).
+    """
+    if not frames:
+        raise TransferError("message: no frames")
+    h = decode_header(frames[0])
+    if h["fingerprint"] != fingerprint:
+        raise TransferError("header.fingerprint: the sender runs a different model / dtype / layout")
+    metas = h["tensors"]
+    if len(frames) != 1 + len(metas):
+        raise TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
+    out = {}
+    for m, f in zip(metas, frames[1:]):
+        buf = memoryview(f)
+        if buf.nbytes != m["nbytes"]:
+            raise TransferError(f"tensor {m['name']}: {buf.nbytes} bytes, header says {m['nbytes']} (truncated?)")
+        if zlib.crc32(buf) != m["crc32"]:
+            raise TransferError(f"tensor {m['name']}: checksum mismatch (corrupted)")
+        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
+        out[m["name"]] = raw.view(_DTYPES[m["dtype"]]).reshape(m["shape"])
+    return h, out
