@@ -53,3 +53,6 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
                                eos_ids=eos_token_ids(path, model.args))
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("scheduler_config") else f"scheduler_config: {e}") from None
+    except (RuntimeError, MemoryError) as e:    # a pool larger than the machine (e.g. num_kv_blocks)
+        raise ConfigError(f"scheduler_config: cannot allocate the state pools ({str(e).splitlines()[0][:200]}); "
+                          f"lower num_kv_blocks / batch_size / mem_fraction_static") from None

@@ -119,9 +119,17 @@ def plan_cache(args: ModelArgs, dtype: torch.dtype, block_size: int, max_seqs: i
                          f"raise mem_fraction_static / cpu_memory_gb or lower batch_size")
     ratio = {"c4": CSA_RATIO, "c128": HCA_RATIO}
     per_token = sum(b / (ratio[p] * block_size) for p, b in growing.items())
-    tokens = (budget_bytes - fixed) / per_token
+    tokens = (budget_bytes - fixed) / per_token if per_token else 0
     blocks = {p: max_seqs + int(tokens // (ratio[p] * block_size)) for p in growing}
     return CacheConfig(block_size, max_seqs, blocks, next_n)
+
+
+def pool_bytes(args: ModelArgs, dtype: torch.dtype, config: CacheConfig) -> int:
+    """Bytes ``PagedCache`` allocates for ``config`` (all pools, all layers)."""
+    g = Geometry.of(args, config.block_size, config.next_n)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    fixed = config.max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
+    return fixed + sum(config.num_blocks.get(p, 0) * g.bytes_per_block(p, esize) for p in GROWING)
 
 
 class BlockPool:
@@ -138,6 +146,8 @@ class BlockPool:
 
     def take(self, n: int) -> list[int]:
         """``n`` free block ids. Raises CacheFullError if fewer are free."""
+        if n == 0:
+            return []
         if n > len(self._free):
             raise CacheFullError(f"need {n} blocks, {len(self._free)} free")
         got, self._free = self._free[:n], self._free[n:]

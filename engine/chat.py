@@ -239,7 +239,7 @@ def _normalize(messages: Any, field: str, allow_empty: bool = False) -> list[dic
             to_json(msg["response_format"], f"{f}.response_format")
             m["response_format"] = msg["response_format"]
         task = msg.get("task")
-        if task is not None and task not in TASK_TOKENS:
+        if task is not None and (not isinstance(task, str) or task not in TASK_TOKENS):
             raise ChatError(f"{f}.task: unknown task {task!r} (one of {sorted(TASK_TOKENS)})")
         if task is not None:
             m["task"] = task
@@ -469,14 +469,17 @@ def apply_chat_template(messages: list[dict], tools: list[dict] | None = None, t
         effort = None
     elif reasoning_effort == "none":
         mode, effort = "chat", None
-    elif reasoning_effort in _OPENAI_EFFORT:
+    elif isinstance(reasoning_effort, str) and reasoning_effort in _OPENAI_EFFORT:
         effort = _OPENAI_EFFORT[reasoning_effort]
     else:
         raise ChatError(f"reasoning_effort: unknown value {reasoning_effort!r} "
                         f"(one of none, {', '.join(_OPENAI_EFFORT)})")
-    return encode_messages(messages, thinking_mode=mode, drop_thinking=drop_thinking, reasoning_effort=effort,
-                           tools=tools, response_format=response_format,
-                           add_generation_prompt=add_generation_prompt)
+    try:
+        return encode_messages(messages, thinking_mode=mode, drop_thinking=drop_thinking, reasoning_effort=effort,
+                               tools=tools, response_format=response_format,
+                               add_generation_prompt=add_generation_prompt)
+    except RecursionError:           # absurdly nested JSON in arguments / schemas
+        raise ChatError("messages: JSON nested too deeply") from None
 
 
 def prompt_token_ids(tokenizer, text: str) -> list[int]:

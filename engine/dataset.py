@@ -77,6 +77,10 @@ def _parse_line(line: str, where: str) -> Sample:
     for key in ("context", "input"):
         if not isinstance(obj[key], str):
             raise DatasetError(f"{where}: field '{key}' must be a string, got {type(obj[key]).__name__}")
+        try:
+            obj[key].encode("utf-8")
+        except UnicodeEncodeError:      # a lone surrogate (\ud800) in the JSON
+            raise DatasetError(f"{where}: field '{key}' is not valid Unicode text (lone surrogate)") from None
     for key in ("answer", "options"):
         v = obj[key]
         if not isinstance(v, list) or not all(isinstance(s, str) for s in v):

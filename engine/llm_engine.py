@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache import CacheConfig, CacheFullError, Geometry, PagedCache, load_state_tensors, plan_cache, state_tensors
+from engine.cache import (CacheConfig, CacheFullError, Geometry, PagedCache, load_state_tensors, plan_cache, pool_bytes,
+                          state_tensors)
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.transformer import Transformer
 from engine.sampling import Sampled, SampleRow, SamplingParams, sample
@@ -29,7 +30,8 @@ class RequestError(ValueError):
 
 @dataclass
 class StepStats:
-    """Cumulative wall time (s) split into scheduling, model forward + logits, and sampling."""
+    """Cumulative wall time (s): scheduling, and running the batch (forward + logits + sampling;
+    ``sample_s`` is the sampling part of ``model_s``)."""
 
     steps: int = 0
     schedule_s: float = 0.0
@@ -92,12 +94,20 @@ class LLMEngine:
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
+        budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
+        if budget <= 0:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            raise ValueError(f"mem_fraction_static x memory leaves no room for state: the weights alone take "
+                             f"{weights} bytes; raise mem_fraction_static / cpu_memory_gb")
         if num_kv_blocks is not None:
             # HCA blocks: the same token reach as the CSA pool, and at least one per running request
             c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
             cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
+            need = pool_bytes(a, model.dtype, cfg)
+            if need > budget:
+                raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
+                                 f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
         else:
-            budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
             cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, _capacity(Geometry.of(a, block_size), cfg))
@@ -122,14 +132,22 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.seqs or request_id in self.held:
-            raise RequestError(f"request_id: {request_id!r} is already running")
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if (request_id in self.seqs or request_id in self.held
+                or any(o.request_id == request_id for o in self._finished_out)):
+            raise RequestError(f"request_id: {request_id!r} is in use (queued, running, held or finishing)")
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise RequestError(f"prompt: must be a list of token ids, got {type(prompt_ids).__name__}")
+        if not prompt_ids:
             raise RequestError("prompt: must contain at least one token")
         V = self.model.args.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V), None)
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)), None)
         if bad is not None:
-            raise RequestError(f"prompt: token id {bad!r} is not in [0, {V})")
+            raise RequestError(f"prompt: token ids must be Python ints, got {type(bad).__name__} {bad!r}")
+        bad = next((t for t in prompt_ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token id {bad} is not in [0, {V})")
         if len(prompt_ids) >= self.limits.max_model_len:
             raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within the context "
                                f"limit max_model_len={self.limits.max_model_len}")
@@ -247,11 +265,18 @@ class LLMEngine:
                 last.append(off - 1)
         if not rows:
             return []
-        logits = m.logits(hidden[torch.tensor(last, device=dev)])
-        t = time.perf_counter()
-        sampled = sample(logits, [SampleRow(s.params, s.num_tokens, s.prompt_ids, s.output_ids) for s in rows])
-        self.stats.sample_s += time.perf_counter() - t
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        try:
+            logits = m.logits(hidden[torch.tensor(last, device=dev)])
+            t = time.perf_counter()
+            sampled = sample(logits, [SampleRow(s.params, s.num_tokens, s.prompt_ids, s.output_ids) for s in rows])
+            self.stats.sample_s += time.perf_counter() - t
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+        except Exception:
+            # the rows' states are advanced past what they sampled: they cannot continue
+            log.exception("logits / sampling failed; failing %d requests", len(rows))
+            for s in rows:
+                self._finish(s, FinishReason.ABORT)
+            return []
         now = time.monotonic()
         outs = []
         for s, smp, ok in zip(rows, sampled, finite):
@@ -292,11 +317,19 @@ class LLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run prompts to completion (offline use, tests). Returns the finished sequences in order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"sampling_params: {len(plist)} for {len(prompts)} prompts")
         ids = [f"gen-{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
         seqs = {}
-        for rid, pr, p in zip(ids, prompts, plist):
-            self.add_request(rid, pr, p)
-            seqs[rid] = self.seqs[rid]
+        try:
+            for rid, pr, p in zip(ids, prompts, plist):
+                self.add_request(rid, pr, p)
+                seqs[rid] = self.seqs[rid]
+        except RequestError:
+            for rid in seqs:                       # all or nothing
+                self.abort(rid)
+            self._finished_out = [o for o in self._finished_out if o.request_id not in seqs]
+            raise
         while self.has_unfinished():
             self.step()
         return [seqs[r] for r in ids]

@@ -32,6 +32,9 @@ from engine.tokenizer import Tokenizer, TokenizerError
 from engine.weights import CheckpointError
 
 
+TEMPLATE_TOKENS = 8          # chat-template ids around a prompt (BOS, role markers, </think>), with margin
+
+
 def encode_sample(tok: Tokenizer, text: str, max_len: int) -> list[int]:
     """Prompt text -> chat-templated ids with the text middle-truncated to ``max_len`` tokens."""
     ids = truncate_middle(tok.encode(text), max_len)
@@ -46,13 +49,19 @@ def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: in
     tok = Tokenizer(model_dir or cfg.model_config.model_path)
     d, s = cfg.data_config, cfg.scheduler_config
     room = eng.limits.max_model_len - 1
-    ids = {f"s{i}": encode_sample(tok, build_prompt(x), min(d.input_truncated_len, room - 8))
+    if room < TEMPLATE_TOKENS + 2:
+        raise ConfigError(f"scheduler_config.max_model_len: {eng.limits.max_model_len} tokens leave no room for a "
+                          f"templated prompt and an answer; use at least {TEMPLATE_TOKENS + 3}")
+    ids = {f"s{i}": encode_sample(tok, build_prompt(x), min(d.input_truncated_len, room - TEMPLATE_TOKENS - 1))
            for i, x in enumerate(samples)}
     t0 = time.perf_counter()
     for i, (rid, prompt) in enumerate(ids.items()):
-        params = SamplingParams(max_new_tokens=min(s.max_new_tokens, room + 1 - len(prompt)),
-                                temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
-                                seed=None if d.seed is None else d.seed + i)
+        try:
+            params = SamplingParams(max_new_tokens=max(1, min(s.max_new_tokens, room + 1 - len(prompt))),
+                                    temperature=d.temperature, top_p=d.top_p, top_k=d.top_k,
+                                    seed=None if d.seed is None else (d.seed + i) % (1 << 63))
+        except SamplingError as e:
+            raise ConfigError(f"data_config.{e}") from None
         eng.add_request(rid, prompt, params)
     seqs = dict(eng.seqs)
     bar = tqdm(total=len(ids), desc="offline", unit="sample", disable=not progress)
@@ -79,10 +88,15 @@ def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: in
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     """Write atomically: a crash never leaves a half-written output file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     if not out.parent.is_dir():
         return fail(f"--out: directory {str(out.parent)!r} does not exist")
+    if out.is_dir() or not os.access(out.parent, os.W_OK):
+        return fail(f"--out: {a.out!r} is a directory or not writable")
     try:
         cfg = RunConfig.from_yaml(a.config) if a.config else RunConfig.from_dict({"model_config": {"dtype": "float32"}})
         dataset = a.dataset or cfg.data_config.dataset_path

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20
+_GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
 
@@ -72,13 +73,15 @@ class SamplingParams:
         need(isinstance(self.stop_token_ids, (tuple, list)) and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "must be a list of non-negative integers")
+        need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(self.logprobs is None or (integer("logprobs") and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be null or an integer in [0, {MAX_LOGPROBS}]")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """temperature below 1e-5 is greedy (vLLM's rule: smaller ones overflow the softmax)."""
+        return self.temperature < _GREEDY_EPS
 
     def with_seed(self) -> "SamplingParams":
         """A copy with a drawn seed if none was given (fixes the draws of this request)."""
@@ -159,7 +162,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
     """
     # one row at a time: a reduction over a whole vocab row is split across threads differently
     # when the batch has one row or many, which would make results depend on the batch
-    logits = logits.float()
+    # on the host: draws are then the same whichever device (or process) produced the logits
+    logits = logits.detach().float().cpu()
     work = _apply_penalties(logits.clone(), rows)
     out = []
     for i, r in enumerate(rows):

@@ -286,3 +286,20 @@ def test_bad_apply_chat_template(kwargs, msg):
     with pytest.raises(ChatError) as e:
         apply_chat_template([user("Q")], **kwargs)
     assert str(e.value).startswith(msg), str(e.value)
+
+
+def test_review_findings_raise_chat_error():
+    from engine.chat import ChatError, apply_chat_template
+    deep = {"a": None}
+    for _ in range(5000):
+        deep = {"a": deep}
+    cases = [
+        dict(messages=[{"role": "user", "content": "q", "task": ["action"]}]),
+        dict(messages=[{"role": "user", "content": "q"}], reasoning_effort=["max"]),
+        dict(messages=[{"role": "user", "content": "q"},
+                       {"role": "assistant", "content": None, "tool_calls": [
+                           {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]}]),
+    ]
+    for kw in cases:
+        with pytest.raises(ChatError):
+            apply_chat_template(**kw)

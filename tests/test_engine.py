@@ -182,3 +182,48 @@ def test_duplicate_request_id_and_capacity_check(model):
         eng.add_request("a", [1, 2], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         _engine(model, max_model_len=100_000, num_kv_blocks=4)
+
+
+def test_a_failing_step_fails_its_requests_and_frees_them(model, monkeypatch):
+    eng = _engine(model)
+    eng.add_request("a", [3, 4, 5], SamplingParams(max_new_tokens=4))
+    calls = {"n": 0}
+    real = model.logits
+
+    def flaky(hidden):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return real(hidden)
+
+    monkeypatch.setattr(model, "logits", flaky)
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", FinishReason.ABORT)]
+    assert not eng.has_unfinished() and eng.num_free_blocks() == eng.num_total_blocks()
+    eng.add_request("b", [3, 4, 5], SamplingParams(max_new_tokens=2))       # the engine keeps serving
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+def test_request_ids_and_generate_are_all_or_nothing(model):
+    eng = _engine(model)
+    eng.add_request("b", [1, 2], SamplingParams())
+    assert eng.abort("b")
+    with pytest.raises(RequestError, match="^request_id: 'b' is in use"):     # its abort output is pending
+        eng.add_request("b", [1, 2], SamplingParams())
+    eng.step()
+    for bad in (None, "", ["x"]):
+        with pytest.raises(RequestError, match="^request_id:"):
+            eng.add_request(bad, [1, 2], SamplingParams())
+    with pytest.raises(RequestError, match="^prompt: must be a list"):
+        eng.add_request("c", "hello", SamplingParams())
+    with pytest.raises(RequestError, match="^prompt: token ids must be Python ints"):
+        eng.add_request("c", [1, 2.0], SamplingParams())
+    with pytest.raises(RequestError, match="^prompt:"):
+        eng.generate([[1, 2], []], SamplingParams())
+    with pytest.raises(RequestError, match="^sampling_params:"):
+        eng.generate([[1, 2], [3]], [SamplingParams()])
+    assert not eng.has_unfinished() and eng.num_free_blocks() == eng.num_total_blocks()
+    tiny_t = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=1e-38))[0].output_ids
+    assert tiny_t == eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, temperature=0))[0].output_ids

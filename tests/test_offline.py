@@ -74,3 +74,20 @@ def test_offline_bad_arguments_name_the_flag(config_file, tmp_path):
     r = _cli("--config", config_file, "--out", tmp_path / "no" / "dir.jsonl")
     assert r.returncode == 2 and "--out" in r.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("section, key, value, msg", [
+    ("scheduler_config", "max_model_len", 9, "scheduler_config.max_model_len"),
+    ("scheduler_config", "num_kv_blocks", 10**9, "num_kv_blocks"),
+    ("scheduler_config", "cpu_memory_gb", 0.01, "mem_fraction_static"),
+    ("scheduler_config", "max_model_len", 2 * 10**6, "scheduler_config.max_model_len"),
+    ("data_config", "temperature", 1000.0, "data_config.temperature"),
+])
+def test_offline_bad_config_values_name_the_key(config_file, tmp_path, section, key, value, msg):
+    raw = yaml.safe_load(Path(config_file).read_text())
+    raw[section][key] = value
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    r = _cli("--config", cfg, "--out", tmp_path / "o.jsonl", "--limit", 1)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o.jsonl").exists()
