@@ -279,16 +279,15 @@ def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:
         score[CSA_RATIO:2 * CSA_RATIO, : score.shape[1] // 2] = float("-inf")
 
 
-def _slots(table: list[int], bs: int, idx: torch.Tensor) -> torch.Tensor:
-    """Flat pool rows of logical slots ``idx`` through a block table."""
-    t = torch.tensor(table, dtype=torch.long, device=idx.device)
-    return t[idx // bs] * bs + idx % bs
+def _slots(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
+    """Slot mapping: flat pool rows of logical slots ``idx`` through a block table ``[n_blocks]``."""
+    return table[idx // bs] * bs + idx % bs
 
 
 class PagedEntries:
     """Compressed entries of one request in one pool tensor: the ``GrowBuffer`` interface."""
 
-    def __init__(self, pool: torch.Tensor, table: list[int], bs: int, num_entries: int):
+    def __init__(self, pool: torch.Tensor, table: torch.Tensor, bs: int, num_entries: int):
         self.pool, self.table, self.bs, self.num_entries = pool, table, bs, num_entries
 
     def append(self, rows: torch.Tensor) -> None:
@@ -308,18 +307,19 @@ class PagedEntries:
 class PagedLayerState:
     """One layer of one request over the pools: the ``engine.state.LayerState`` interface."""
 
-    def __init__(self, cache: PagedCache, layer: int, held: SeqBlocks, num_tokens: int):
+    def __init__(self, cache: PagedCache, layer: int, held: SeqBlocks, tables: dict[str, torch.Tensor],
+                 num_tokens: int):
         g, bs = cache.geometry, cache.config.block_size
         self.bs, self.ring, self.window = bs, g.ring_len, cache.args.sliding_window
-        self.win_pool, self.win_table = cache.win[layer], held.tables["win"]
+        self.win_pool, self.win_table = cache.win[layer], tables["win"]
         self.cmp_kv = self.comp = self.idx_kv = self.idx_comp = None
         ratio = cache.args.compress_ratios[layer]
         if ratio:
-            table = held.tables["c4" if ratio == CSA_RATIO else "c128"]
+            table = tables["c4" if ratio == CSA_RATIO else "c128"]
             self.cmp_kv = PagedEntries(cache.cmp_kv[layer], table, bs, num_tokens // ratio)
             self.comp = _comp_view(cache.comp[layer], held.state_slot, ratio)
         if ratio == CSA_RATIO:
-            self.idx_kv = PagedEntries(cache.idx_kv[layer], held.tables["c4"], bs, num_tokens // ratio)
+            self.idx_kv = PagedEntries(cache.idx_kv[layer], tables["c4"], bs, num_tokens // ratio)
             self.idx_comp = _comp_view(cache.idx_comp[layer], held.state_slot, ratio)
 
     def _ring_rows(self, positions: torch.Tensor) -> torch.Tensor:
@@ -354,7 +354,9 @@ class PagedSequenceState:
     """A request's decode state over the pools: the ``engine.state.SequenceState`` interface."""
 
     def __init__(self, cache: PagedCache, held: SeqBlocks, num_tokens: int):
-        self.layers = [PagedLayerState(cache, l, held, num_tokens) for l in range(cache.geometry.num_layers)]
+        # block tables as tensors once per step, shared by all layers
+        tables = {p: torch.tensor(b, dtype=torch.long, device=cache.device) for p, b in held.tables.items()}
+        self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) for l in range(cache.geometry.num_layers)]
         self.num_tokens = num_tokens
 
 
