@@ -229,6 +229,17 @@ class ModelArgs:
             _validate_yarn(self.rope_scaling)
 
 
+def read_text_file(path: str | Path, error: type[Exception], what: str) -> str:
+    """A UTF-8 text file; ``error`` naming the file and ``what`` it is when missing or unreadable."""
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{p}: {what} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"{p}: cannot read {what}: {e}") from None
+
+
 def read_json_object(path: Path, error: type[Exception]) -> dict:
     """A JSON file that must hold an object; ``error`` (naming the file) otherwise."""
     try:

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import read_text_file
+
 KINDS = ("InfiniteBench",)
 LONGBOOK_QA_ENG_TEMPLATE = ("Read the book below and answer a question.\n\n{context}\n\n"
                             "Question: {question}\n\nBe very concise.")
@@ -50,12 +52,7 @@ def load_dataset(path: str | Path, kind: str = "InfiniteBench") -> list[Sample]:
     if kind not in KINDS:
         raise DatasetError(f"dataset kind {kind!r} is not supported (supported: {', '.join(KINDS)})")
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DatasetError(f"{p}: dataset file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{p}: cannot read dataset: {e}") from None
+    text = read_text_file(p, DatasetError, "dataset file")
     samples = [_parse_line(line, f"{p}:{n}") for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not samples:
         raise DatasetError(f"{p}: dataset has no samples")

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from engine.config import ConfigError, ModelArgs
+from engine.config import ConfigError, ModelArgs, read_text_file
 
 DTYPES = ("bfloat16", "float32", "float16")
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
@@ -300,12 +300,7 @@ class RunConfig:
                 (an empty file included), or any check; the message starts with the file path.
         """
         p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"{p}: run config not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{p}: cannot read run config: {e}") from None
+        text = read_text_file(p, ConfigError, "run config")
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
