@@ -17,6 +17,7 @@ take), so a refused request holds nothing; ``free`` returns everything at once.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -361,18 +362,23 @@ class PagedSequenceState:
 
 
 # ---- a request's state as named tensors (what P ships to D, reference §4) ----------------------
-def state_tensors(cache: PagedCache, seq_id, num_tokens: int) -> dict[str, torch.Tensor]:
+def state_tensors(cache: PagedCache, seq_id, num_tokens: int, layers: Iterable[int] | None = None
+                  ) -> dict[str, torch.Tensor]:
     """The live decode state of ``seq_id`` after ``num_tokens`` (= L) tokens, no padding.
 
     Per layer l: ``layers.l.win_kv`` ``[min(L, W-1), d]`` (positions L-W+1 .. L-1: what step L
     reads); CSA / HCA ``layers.l.cmp_kv`` ``[floor(L/m), d]``; CSA ``layers.l.idx_kv``
     ``[floor(L/4), dI]``; compressor remainders ``layers.l.{comp,idx_comp}.{kv,score}``
     ``[L mod m, c*d]`` fp32 (score with ape added) and, once a CSA window has closed,
-    ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous).
+    ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous). ``layers``: only
+    these layers (P/D pushes each layer as soon as its state is final).
     """
     st = cache.sequence_state(seq_id, num_tokens)
     out: dict[str, torch.Tensor] = {}
+    keep = None if layers is None else set(layers)
     for l, layer in enumerate(st.layers):
+        if keep is not None and l not in keep:
+            continue
         n = min(num_tokens, layer.window - 1)
         pos = torch.arange(num_tokens - n, num_tokens, device=layer.win_pool.device)
         out[f"layers.{l}.win_kv"] = layer.win_pool[layer._ring_rows(pos)]
@@ -393,12 +399,13 @@ def state_tensors(cache: PagedCache, seq_id, num_tokens: int) -> dict[str, torch
     return out
 
 
-def expected_shapes(cache: PagedCache, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_shapes(cache: PagedCache, num_tokens: int, layers: Iterable[int] | None = None
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) that ``state_tensors`` gives for L = ``num_tokens`` on this model."""
     a, L = cache.args, num_tokens
     d, dI, kv = a.head_dim, a.index_head_dim, cache.dtype
     out = {}
-    for l in range(cache.geometry.num_layers):
+    for l in (range(cache.geometry.num_layers) if layers is None else layers):
         out[f"layers.{l}.win_kv"] = ((min(L, a.sliding_window - 1), d), kv)
         m = a.compress_ratios[l]
         if not m:
@@ -417,14 +424,20 @@ def expected_shapes(cache: PagedCache, num_tokens: int) -> dict[str, tuple[tuple
     return out
 
 
-def load_state_tensors(cache: PagedCache, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``state_tensors`` output into ``seq_id``'s (already allocated, freshly reset) state.
+def load_state_tensors(cache: PagedCache, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+                       layers: Iterable[int] | None = None) -> None:
+    """Write ``state_tensors`` output into ``seq_id``'s (already allocated, freshly reset) state;
+    ``layers``: only these layers (each written once).
 
     Raises:
         ValueError: a missing / extra tensor, or a shape / dtype other than ``expected_shapes``
             (nothing is half-written: everything is checked before the first write).
     """
-    want = expected_shapes(cache, num_tokens)
+    if layers is not None:
+        layers = sorted(set(layers))
+        if any(not 0 <= l < cache.geometry.num_layers for l in layers):
+            raise ValueError(f"layers {layers}: the model has {cache.geometry.num_layers}")
+    want = expected_shapes(cache, num_tokens, layers)
     if set(tensors) != set(want):
         missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
         raise ValueError(f"state for L={num_tokens}: missing {missing[:4]}, unexpected {extra[:4]}")
@@ -434,6 +447,8 @@ def load_state_tensors(cache: PagedCache, seq_id, num_tokens: int, tensors: dict
             raise ValueError(f"state tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     st = cache.sequence_state(seq_id, 0)
     for l, layer in enumerate(st.layers):
+        if layers is not None and l not in layers:
+            continue
         win = tensors[f"layers.{l}.win_kv"]
         pos = torch.arange(num_tokens - win.shape[0], num_tokens, device=layer.win_pool.device)
         layer.win_pool[layer._ring_rows(pos)] = win.to(layer.win_pool.device)

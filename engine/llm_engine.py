@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, limits)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}      # finished, state kept for export (prefill role)
+        self.reserved: dict[str, Sequence] = {}  # decode role: state slots taken, state not yet loaded
+        # prefill role: called as (layer, [(request_id, L)]) once layer's state is final for the
+        # held requests whose prefill completes in this step (P/D pushes it at once)
+        self.on_layer_final: Callable[[int, list[tuple[str, int]]], None] | None = None
         self.stats = StepStats()
         self._finished_out: list[RequestOutput] = []
 
@@ -134,7 +139,7 @@ class LLMEngine:
     def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if (request_id in self.seqs or request_id in self.held
+        if (request_id in self.seqs or request_id in self.held or request_id in self.reserved
                 or any(o.request_id == request_id for o in self._finished_out)):
             raise RequestError(f"request_id: {request_id!r} is in use (queued, running, held or finishing)")
         if not isinstance(prompt_ids, (list, tuple)):
@@ -168,35 +173,84 @@ class LLMEngine:
         self.cache.free(request_id)
         return True
 
-    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
-                      tensors: dict[str, torch.Tensor]) -> None:
-        """Join a request prefilled elsewhere: its state for L = len(prompt_ids) and token #1.
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Decode role: take the state slots and a batch place for a request prefilled elsewhere,
+        before its prefill runs (its state then lands in place: ``load_state`` + ``commit``).
 
-        Decoding continues exactly as if this engine had prefilled it (same seed -> same tokens).
+        Holds blocks for L + 1 + ``num_reserved_decode_tokens`` tokens (capped at max_model_len).
         Raises:
-            RequestError: a bad field, or state tensors that do not match this model (``state``).
-            CacheFullError: no room (state blocks or ``batch_size``); nothing is held then.
+            RequestError: a bad field (``params.seed`` must be set: prefill samples with it).
+            CacheFullError: no room (state blocks, or ``batch_size`` places); nothing is held then.
         """
         self._check_new(request_id, prompt_ids, params)
+        if request_id in self.reserved:
+            raise RequestError(f"request_id: {request_id!r} is already reserved")
+        if params.seed is None:
+            raise RequestError("sampling_params.seed: must be the seed prefill samples with")
+        if len(self.scheduler.running) + len(self.reserved) >= self.limits.batch_size:
+            raise CacheFullError(f"batch full: {self.limits.batch_size} requests running or reserved")
+        L = len(prompt_ids)
+        self.cache.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
+        self.reserved[request_id] = Sequence(request_id, list(prompt_ids), params, num_computed=L)
+        self.scheduler.num_reserved = len(self.reserved)
+
+    def load_state(self, request_id: str, tensors: dict[str, torch.Tensor], layers: list[int] | None = None) -> None:
+        """Write (some layers of) a reserved request's imported state (``cache.state_tensors`` names).
+
+        Raises:
+            KeyError: not reserved. RequestError: tensors that do not match this model (``state``);
+                nothing is written then.
+        """
+        seq = self.reserved[request_id]
+        try:
+            load_state_tensors(self.cache, request_id, len(seq.prompt_ids), tensors, layers)
+        except ValueError as e:
+            raise RequestError(f"state: {e}") from None
+
+    def commit(self, request_id: str, first_token: int) -> None:
+        """A reserved request whose whole state is loaded joins the running batch with token #1.
+
+        Decoding continues exactly as if this engine had prefilled it (same seed -> same tokens).
+        Raises KeyError (not reserved), RequestError (bad token; the reservation is kept).
+        """
+        seq = self.reserved[request_id]
         if not isinstance(first_token, int) or not 0 <= first_token < self.model.args.vocab_size:
             raise RequestError(f"first_token: {first_token!r} is not a token id")
-        if params.seed is None:
-            raise RequestError("sampling_params.seed: must be the seed prefill sampled with")
-        L = len(prompt_ids)
-        if len(self.scheduler.running) >= self.limits.batch_size:
-            raise CacheFullError(f"batch full: {self.limits.batch_size} requests running")
-        self.cache.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
-        try:
-            load_state_tensors(self.cache, request_id, L, tensors)
-        except ValueError as e:
-            self.cache.free(request_id)
-            raise RequestError(f"state: {e}") from None
-        seq = Sequence(request_id, list(prompt_ids), params, num_computed=L)
+        del self.reserved[request_id]
+        self.scheduler.num_reserved = len(self.reserved)
         self.seqs[request_id] = seq
+        seq.scheduled_time = time.monotonic()
         self.scheduler.add_running(seq)
         out = self._append(seq, Sampled(first_token), time.monotonic())
         if out.finished:
             self._finished_out.append(out)
+
+    def unreserve(self, request_id: str) -> bool:
+        """Drop a reservation and free its slots. False if there is none."""
+        if self.reserved.pop(request_id, None) is None:
+            return False
+        self.scheduler.num_reserved = len(self.reserved)
+        self.cache.free(request_id)
+        return True
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
+                      tensors: dict[str, torch.Tensor]) -> None:
+        """Join a request prefilled elsewhere: its state for L = len(prompt_ids) and token #1
+        (``reserve`` + ``load_state`` + ``commit`` in one call).
+
+        Raises:
+            RequestError: a bad field, or state tensors that do not match this model (``state``).
+            CacheFullError: no room (state blocks or ``batch_size``); nothing is held then.
+        """
+        if not isinstance(first_token, int) or not 0 <= first_token < self.model.args.vocab_size:
+            raise RequestError(f"first_token: {first_token!r} is not a token id")
+        self.reserve(request_id, prompt_ids, params)
+        try:
+            self.load_state(request_id, tensors)
+        except RequestError:
+            self.unreserve(request_id)
+            raise
+        self.commit(request_id, first_token)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (queued, prefilling, decoding); frees its state at once.
@@ -204,7 +258,7 @@ class LLMEngine:
         Returns False if it is unknown or already finished. Its final output (``finish_reason``
         abort) comes from the next ``step``.
         """
-        if self.release(request_id):
+        if self.release(request_id) or self.unreserve(request_id):
             return True
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
@@ -248,8 +302,15 @@ class LLMEngine:
         states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
         ids = [t for s, n in zip(batch.seqs, batch.num_tokens) for t in s.pending_ids(n)]
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
+        hook = None
+        if self.on_layer_final is not None:
+            done = [(s.seq_id, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)
+                    if s.hold_state and not s.output_ids and s.num_computed + n == len(s.prompt_ids)]
+            if done:
+                def hook(layer: int, done=done, cb=self.on_layer_final):
+                    cb(layer, done)
         try:
-            hidden = m.forward_batch(tokens, states, batch.num_tokens)
+            hidden = m.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))
@@ -304,8 +365,11 @@ class LLMEngine:
             del self.seqs[s.seq_id]
             if s.hold_state:
                 self.held[s.seq_id] = s
+        queue = None
+        if len(s.output_ids) == 1 and s.scheduled_time is not None:
+            queue = max(0.0, s.scheduled_time - s.arrival)
         return RequestOutput(s.seq_id, [tok], [smp], reason is not None, reason, len(s.prompt_ids),
-                             len(s.output_ids))
+                             len(s.output_ids), queue)
 
     def _finish(self, s: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(s, reason)

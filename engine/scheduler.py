@@ -12,6 +12,7 @@ retractions):
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.cache import PagedCache
@@ -55,6 +56,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_reserved = 0      # P/D decode: batch places held by reservations awaiting state
         self._order = 0
 
     def add(self, seq: Sequence) -> None:
@@ -105,13 +107,15 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
         # 3. admission
-        while self.waiting and budget > 0 and len(self.running) < self.limits.batch_size:
+        while self.waiting and budget > 0 and len(self.running) + self.num_reserved < self.limits.batch_size:
             seq = self.waiting[0]
             if not self.cache.can_allocate(seq.seq_id, self._target(seq)):
                 break
             self.cache.allocate(seq.seq_id, self._target(seq))
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_pending, budget)
             budget -= n

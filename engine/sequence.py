@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     hold_state: bool = False      # prefill role: keep the state after finishing, for export
+    scheduled_time: float | None = None   # first admitted to the running batch (monotonic s)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 
@@ -77,3 +78,4 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    queue_time_s: float | None = None     # on the first token: arrival -> first scheduled (s)

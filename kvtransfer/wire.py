@@ -1,16 +1,23 @@
 """Self-describing wire format for one request's decode state (prefill -> decode).
 
 A message is a list of frames: frame 0 is a msgpack header, frames 1..n the raw bytes of the
-tensors it lists, in order (the layout of ``engine.cache.state_tensors``: layer by layer, so a
-sender can push each layer as it becomes final). No pickle: the header is msgpack of plain types,
-tensor bytes are reinterpreted with the dtype the header names. Header fields:
+tensors it lists, in order (the names of ``engine.cache.state_tensors``). No pickle: the header
+is msgpack of plain types, tensor bytes are reinterpreted with the dtype the header names.
+
+One transfer is either a single ``state`` message, or (pushed while prefill runs) one ``layer``
+message per layer as its state becomes final, then a ``commit`` carrying token #1 -- or a
+``cancel`` (prefill failed, or token #1 already ended the sample). Header fields:
 
     v            format version (1)
+    kind         state | layer | commit | cancel
     transfer_id  issued by the gateway, never reused (fencing)
     fingerprint  ``model_fingerprint`` of the sender's model (refused on mismatch)
-    num_tokens   L, the prompt tokens the state covers
-    first_token  token #1, sampled by prefill
-    tensors      [{name, dtype, shape, nbytes, crc32}] in frame order
+    num_tokens   L, the prompt tokens the state covers            (state, layer, commit)
+    first_token  token #1, sampled by prefill                      (state, commit)
+    layer        the layer index the tensors belong to             (layer)
+    num_layers   layers the transfer carried                       (commit)
+    reason       why it was cancelled                              (cancel)
+    tensors      [{name, dtype, shape, nbytes, crc32}] in frame order (empty for commit / cancel)
 """
 from __future__ import annotations
 
@@ -42,9 +49,39 @@ def model_fingerprint(config: dict, kv_dtype: torch.dtype, block_layout: dict | 
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+KINDS = {"state": (("num_tokens", int), ("first_token", int)),
+         "layer": (("num_tokens", int), ("layer", int)),
+         "commit": (("num_tokens", int), ("first_token", int), ("num_layers", int)),
+         "cancel": (("reason", str),)}
+
+
 def encode_state(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
                  tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
-    """Header frame + one zero-copy frame per tensor (CPU, contiguous). Returns the frames."""
+    """The whole state in one message: header frame + one zero-copy frame per tensor."""
+    return _encode("state", transfer_id, fingerprint, tensors, num_tokens=num_tokens, first_token=first_token)
+
+
+def encode_layer(transfer_id: str, fingerprint: str, num_tokens: int, layer: int,
+                 tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
+    """One layer's state (``layers.{layer}.*`` tensors), pushed as soon as that layer is final."""
+    return _encode("layer", transfer_id, fingerprint, tensors, num_tokens=num_tokens, layer=layer)
+
+
+def encode_commit(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
+                  num_layers: int) -> list[bytes | memoryview]:
+    """Ends a layer-by-layer transfer: all ``num_layers`` layers were sent; token #1."""
+    return _encode("commit", transfer_id, fingerprint, {}, num_tokens=num_tokens, first_token=first_token,
+                   num_layers=num_layers)
+
+
+def encode_cancel(transfer_id: str, fingerprint: str, reason: str) -> list[bytes | memoryview]:
+    """Tells decode to drop what it got for ``transfer_id`` and free the reservation."""
+    return _encode("cancel", transfer_id, fingerprint, {}, reason=reason[:500])
+
+
+def _encode(kind: str, transfer_id: str, fingerprint: str, tensors: dict[str, torch.Tensor],
+            **fields) -> list[bytes | memoryview]:
+    """Header frame + one zero-copy frame per tensor (moved to CPU, contiguous)."""
     metas, frames = [], []
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
@@ -52,8 +89,8 @@ def encode_state(transfer_id: str, fingerprint: str, num_tokens: int, first_toke
         metas.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape), "nbytes": buf.nbytes,
                       "crc32": zlib.crc32(buf)})
         frames.append(buf)
-    header = {"v": VERSION, "transfer_id": transfer_id, "fingerprint": fingerprint, "num_tokens": num_tokens,
-              "first_token": first_token, "tensors": metas}
+    header = {"v": VERSION, "kind": kind, "transfer_id": transfer_id, "fingerprint": fingerprint, **fields,
+              "tensors": metas}
     return [msgpack.packb(header), *frames]
 
 
@@ -67,8 +104,9 @@ def decode_header(frame: bytes | memoryview) -> dict:
         raise TransferError(f"header: not msgpack ({type(e).__name__})") from None
     if not isinstance(h, dict) or h.get("v") != VERSION:
         raise TransferError(f"header: expected a version {VERSION} map")
-    for key, typ in (("transfer_id", str), ("fingerprint", str), ("num_tokens", int), ("first_token", int),
-                     ("tensors", list)):
+    if h.get("kind") not in KINDS:
+        raise TransferError(f"header.kind: expected one of {sorted(KINDS)}, got {h.get('kind')!r}")
+    for key, typ in (("transfer_id", str), ("fingerprint", str), ("tensors", list)) + KINDS[h["kind"]]:
         if not isinstance(h.get(key), typ) or isinstance(h.get(key), bool):
             raise TransferError(f"header.{key}: missing or not {typ.__name__}")
     for i, m in enumerate(h["tensors"]):

@@ -135,7 +135,8 @@ class Transformer(nn.Module):
         return self.forward_batch(tokens, [state], [tokens.shape[0]])
 
     @torch.no_grad()
-    def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
+    def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int],
+                      layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run a batch of sequences packed into one token row (chunked prefill and decode mixed).
 
         Sequence i contributes ``lengths[i]`` consecutive tokens at positions
@@ -144,6 +145,7 @@ class Transformer(nn.Module):
 
         Args:
             tokens: ``[sum(lengths)]`` int64. states: one per sequence. lengths: tokens per sequence.
+            layer_hook: called with ``i`` after layer ``i`` ran (its state is final for this step).
         Returns:
             ``[sum(lengths), H]`` final hidden states, compute dtype.
         Raises:
@@ -174,6 +176,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
                       *(compress if layer.attn.ratio else main))
+            if layer_hook is not None:
+                layer_hook(i)
         for st, n in zip(states, lengths):
             st.num_tokens += n
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)

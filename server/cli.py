@@ -1,0 +1,191 @@
+"""``launch-pd``: start a prefill worker, a decode worker, the gateway, or all three locally.
+
+    launch-pd --role prefill --config configs/X.yaml [--port 5555] [--http-port 8001]
+    launch-pd --role decode  --config configs/X.yaml [--port 5557] [--state-port 5558] [--http-port 8100]
+    launch-pd --role gateway --model DIR [--port 8000] [--prefill-addrs h:p,..] [--decode-addrs h:p,..]
+    launch-pd --role local   --config configs/X.yaml [--port 8000]
+
+Addresses and ports default to the environment of deploy/set_env.sh (PREFILL_IPS, DECODE_IPS,
+*_PORT, DSV4_BIND_HOST) and then to loopback. Bad flags or config values exit with status 2 and
+a message naming the flag or key.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+
+log = logging.getLogger("launch-pd")
+ROLES = ("prefill", "decode", "gateway", "local")
+TRANSPORTS = ("zmq-tcp", "zmq-ipc", "dist")
+
+
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    if not v.isdigit():
+        raise SystemExit(f"launch-pd: environment {name}={v!r} is not a port number")
+    return int(v)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch-pd", description="dsv4-pd: P/D-disaggregated DeepSeek-V4 serving")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--config", help="YAML run config (configs/*.yaml); required for prefill / decode / local")
+    p.add_argument("--model", help="checkpoint directory (overrides model_config.model_path)")
+    p.add_argument("--host", default=os.environ.get("DSV4_BIND_HOST", "127.0.0.1"), help="bind address")
+    p.add_argument("--port", type=int, help="ZMQ request port (workers) or HTTP port (gateway, local)")
+    p.add_argument("--http-port", type=int, help="worker /health /ready /metrics port (0: none)")
+    p.add_argument("--state-port", type=int, help="decode: state receiver port")
+    p.add_argument("--transport", default=os.environ.get("DSV4_TRANSPORT", "zmq-tcp"), choices=TRANSPORTS)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (npu: issue 6)")
+    p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
+    p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
+    p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name)")
+    p.add_argument("--lease-s", type=float, default=60.0, help="decode reservation lease (s)")
+    p.add_argument("--log-level", default=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
+    return p
+
+
+def _load_config(args):
+    from engine.config import ConfigError
+    from engine.run_config import RunConfig
+    if not args.config:
+        raise SystemExit(f"launch-pd: --config is required for --role {args.role}")
+    try:
+        return RunConfig.from_yaml(args.config)
+    except ConfigError as e:
+        raise SystemExit(f"launch-pd: {args.config}: {e}") from None
+
+
+def _device(name: str) -> str:
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _model_name(args, cfg) -> str:
+    return args.served_model_name or (cfg.model_config.model_name if cfg is not None else "deepseek-v4")
+
+
+def run_worker(args) -> int:
+    from engine.build import build_engine
+    from engine.config import ConfigError
+    from engine.weights import CheckpointError
+    from server.worker import WorkerOptions
+    cfg = _load_config(args)
+    prefill = args.role == "prefill"
+    opts = WorkerOptions(
+        host=args.host, transport=args.transport, lease_s=args.lease_s, model_name=_model_name(args, cfg),
+        port=args.port or _env_int("PREFILL_ZMQ_PORT" if prefill else "DECODE_ZMQ_PORT", 5555 if prefill else 5557),
+        http_port=args.http_port if args.http_port is not None else
+        _env_int("PREFILL_HTTP_PORT" if prefill else "DECODE_HTTP_PORT", 8001 if prefill else 8100),
+        state_port=args.state_port or _env_int("DECODE_STATE_PORT", 5558))
+    try:
+        engine = build_engine(cfg, args.model, device=_device(args.device), progress=False)
+    except (ConfigError, CheckpointError) as e:
+        raise SystemExit(f"launch-pd: {e}") from None
+    if prefill:
+        from server.prefill import PrefillWorker as W
+    else:
+        from server.decode import DecodeWorker as W
+    try:
+        worker = W(engine, opts)
+    except Exception as e:     # zmq bind errors: address in use / not available
+        raise SystemExit(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}") from None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop.set())
+    worker.start_http()
+    extra = f", state {worker.receiver.address}" if not prefill else ""
+    log.info("%s worker %s ready: requests tcp://%s:%d, http %d%s", args.role, worker.instance_id, args.host,
+             opts.port, opts.http_port, extra)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return 0
+
+
+def run_gateway(args) -> int:
+    import uvicorn
+
+    from engine.tokenizer import Tokenizer
+    from server.gateway import create_app
+    from server.router import PDBackend, parse_addrs
+    cfg = _load_config(args) if args.config else None
+    model_dir = args.model or (cfg.model_config.model_path if cfg else None)
+    if not model_dir or not Path(model_dir).is_dir():
+        raise SystemExit("launch-pd: --model: the gateway needs the checkpoint directory (tokenizer, config)")
+    try:
+        pre = parse_addrs(args.prefill_addrs or os.environ.get("PREFILL_IPS") or "127.0.0.1",
+                          _env_int("PREFILL_ZMQ_PORT", 5555))
+        dec = parse_addrs(args.decode_addrs or os.environ.get("DECODE_IPS") or "127.0.0.1",
+                          _env_int("DECODE_ZMQ_PORT", 5557))
+    except ValueError as e:
+        raise SystemExit(f"launch-pd: --prefill-addrs / --decode-addrs: {e}") from None
+    tokenizer = Tokenizer(model_dir)
+    backend = PDBackend(pre, dec, lease_s=args.lease_s)
+    app = create_app(backend, tokenizer, _model_name(args, cfg))
+    port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
+    log.info("gateway on http://%s:%d: prefill %s, decode %s", args.host, port, pre, dec)
+    uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)
+    return 0
+
+
+def run_local(args) -> int:
+    """Prefill + decode + gateway as three child processes on loopback; Ctrl-C stops all three."""
+    from server.launcher import LocalPD
+    cfg = _load_config(args)
+    model = args.model or cfg.model_config.model_path
+    extra = ["--device", args.device, "--log-level", args.log_level]
+    gw = extra + ["--lease-s", str(args.lease_s)] + (["--served-model-name", args.served_model_name]
+                                                     if args.served_model_name else [])
+    pd = LocalPD(args.config, model, transport=args.transport, host=args.host,
+                 gateway_port=args.port or _env_int("ROUTER_HTTP_PORT", 8000),
+                 extra_args={"prefill": extra, "decode": extra, "gateway": gw})
+    stop = {"now": False}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.update(now=True))
+    try:
+        pd.start()
+    except RuntimeError as e:
+        raise SystemExit(f"launch-pd --role local: {e}") from None
+    log.info("local P/D ready: OpenAI API at %s/v1, metrics %s; Ctrl-C stops", pd.base_url,
+             ", ".join(pd.metrics_urls.values()))
+    rc = 0
+    try:
+        while not stop["now"]:
+            if not pd.alive():
+                log.error("a child process exited; stopping")
+                rc = 1
+                break
+            time.sleep(0.2)
+    finally:
+        pd.stop()
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
+    for name in ("port", "http_port", "state_port"):
+        v = getattr(args, name)
+        if v is not None and not 0 <= v < 65536:
+            raise SystemExit(f"launch-pd: --{name.replace('_', '-')}: {v} is not a port number")
+    if args.role in ("prefill", "decode"):
+        return run_worker(args)
+    if args.role == "gateway":
+        return run_gateway(args)
+    return run_local(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

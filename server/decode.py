@@ -1,0 +1,212 @@
+"""The decode worker: reserves state for a sample before its prefill runs, takes the state as it
+arrives (verified, fenced), then decodes it in the running batch and streams token ids.
+
+``reserve`` takes the state slots and a batch place under a lease (``lease_s``), or queues the
+sample (FIFO, at most ``max_queued``; beyond that 429) until running samples make room; if the state is
+not committed in time the reservation is freed and the transfer id is fenced, so a late write
+never lands. Every message is checked (``wire.decode_state``: fingerprint, sizes, crc32) before
+a byte is written; a bad one fails the sample (``error`` to the gateway, ``nack`` to prefill).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, defaultdict
+
+from engine.cache import CacheFullError
+from engine.llm_engine import LLMEngine, RequestError
+from engine.sampling import SamplingError
+from engine.sequence import RequestOutput
+from kvtransfer.assembler import TransferTable
+from kvtransfer.transport import make_receiver
+from kvtransfer.wire import TransferError, decode_header, decode_state
+from server.messages import MessageError, check_ids, pack_sampled, params_from_dict
+from server.worker import Worker, WorkerOptions
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorker(Worker):
+    role = "decode"
+
+    def __init__(self, engine: LLMEngine, opts: WorkerOptions):
+        super().__init__(engine, opts)
+        self.table = TransferTable(len(engine.model.layers))
+        self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout)
+        self.owners: dict[str, bytes] = {}       # rid -> gateway connection
+        self.want_lps: dict[str, bool] = {}
+        self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
+        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, params, lease)
+
+    def extra_load(self) -> dict:
+        return {"state_addr": self.receiver.address, "queued": len(self.queued)}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: dict) -> None:
+        op, rid = msg["op"], msg.get("rid")
+        if not isinstance(rid, str):
+            raise MessageError("rid: expected a string")
+        if op == "reserve":
+            self._reserve(identity, rid, msg)
+        elif op == "abort":
+            self._abort(rid)
+        else:
+            raise MessageError(f"op: {op!r} is not a decode operation")
+
+    def _reserve(self, identity: bytes, rid: str, msg: dict) -> None:
+        prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
+        lease = msg.get("lease_s", self.opts.lease_s)
+        if not isinstance(lease, (int, float)) or not 0 < lease <= 3600:
+            raise MessageError("lease_s: expected seconds in (0, 3600]")
+        try:
+            params = params_from_dict(msg.get("params"))
+            if self.table.is_known(rid) or rid in self.queued:
+                raise RequestError(f"rid: {rid!r} was already used (transfer ids are never reused)")
+            if self.queued:                            # FIFO: nobody overtakes the queue
+                raise CacheFullError("queue not empty")
+            self.engine.reserve(rid, prompt, params)
+        except (RequestError, SamplingError) as e:
+            self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+            return
+        except CacheFullError as e:
+            if len(self.queued) >= self.opts.max_queued:
+                self.reply(identity, {"op": "error", "rid": rid, "status": 429,
+                                      "message": f"decode is full and {len(self.queued)} samples wait: {e}"})
+            else:
+                self.queued[rid] = (identity, prompt, params, float(lease))
+            return
+        self._reserved(identity, rid, prompt, params, float(lease))
+
+    def _admit_queued(self) -> None:
+        while self.queued:
+            rid, (identity, prompt, params, lease) = next(iter(self.queued.items()))
+            try:
+                self.engine.reserve(rid, prompt, params)
+            except CacheFullError:
+                return
+            except RequestError as e:
+                self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+            else:
+                self._reserved(identity, rid, prompt, params, lease)
+            del self.queued[rid]
+
+    def _reserved(self, identity: bytes, rid: str, prompt: list[int], params, lease: float) -> None:
+        self.table.expect(rid, len(prompt), lease, identity)
+        self.owners[rid] = identity
+        self.want_lps[rid] = params.logprobs is not None
+        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.receiver.address,
+                              "instance_id": self.instance_id})
+
+    def _abort(self, rid: str) -> None:
+        if self.queued.pop(rid, None) is not None:
+            self.table.retire(rid)
+            return
+        self.owners.pop(rid, None)
+        self.want_lps.pop(rid, None)
+        if self.table.retire(rid) is not None:
+            self.engine.unreserve(rid)
+        else:
+            self.engine.abort(rid)
+
+    def _fail(self, rid: str, cause: str, message: str, peer: str | None = None) -> None:
+        self.engine.unreserve(rid)
+        self.metrics.transfer_failure(cause)
+        self.metrics.success("error")
+        owner = self.owners.pop(rid, None)
+        self.want_lps.pop(rid, None)
+        if owner is not None:
+            self.reply(owner, {"op": "error", "rid": rid, "status": 502 if cause != "timeout" else 504,
+                               "message": f"state transfer failed ({cause}): {message}"})
+        if peer is not None:
+            self.receiver.reply(peer, {"op": "nack", "transfer_id": rid, "cause": cause, "reason": message})
+
+    # ---- state -----------------------------------------------------------------------------------
+    def tick(self) -> None:
+        if self.queued:
+            self._admit_queued()
+        for peer, frames in self.receiver.recv(0.0):
+            self._on_state(peer, frames)
+        for p in self.table.expired():                # retired: a late write is fenced
+            self._fail(p.transfer_id, "timeout", "no committed state within the lease")
+
+    def _on_state(self, peer: str, frames: list) -> None:
+        try:
+            header = decode_header(frames[0])
+        except (TransferError, IndexError) as e:
+            self.metrics.transfer_failure("malformed")
+            log.warning("decode: dropped a state message: %s", e)
+            return
+        tid = header["transfer_id"]
+        pending = self.table.pending.get(tid)
+        if pending is None:
+            if header["kind"] != "cancel":          # a cancel after an abort is expected
+                self.metrics.transfer_failure("fenced")
+            return
+        try:
+            _, tensors = decode_state(frames, self.fingerprint)
+        except TransferError as e:
+            self.table.retire(tid)
+            self._fail(tid, "checksum" if "checksum" in str(e) else "malformed", str(e), peer)
+            return
+        nbytes = sum(memoryview(f).nbytes for f in frames)
+        act = self.table.on_message(header, tensors, nbytes)
+        if act.kind == "drop":
+            self.metrics.transfer_failure("fenced")
+        elif act.kind == "fail":
+            self._fail(tid, act.cause, act.message, peer)
+        elif act.kind == "cancel":
+            self.engine.unreserve(tid)
+            self.owners.pop(tid, None)
+            self.want_lps.pop(tid, None)
+        elif act.kind == "load":
+            try:
+                self.engine.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
+            except RequestError as e:
+                self.table.retire(tid)
+                self._fail(tid, "malformed", str(e), peer)
+                return
+            if act.first_token is not None:          # a whole-state message: load + commit
+                self.table.retire(tid)
+                self._commit(tid, act.first_token, pending, peer)
+        elif act.kind == "commit":
+            self._commit(tid, act.first_token, pending, peer)
+
+    def _commit(self, tid: str, first_token: int, pending, peer: str) -> None:
+        try:
+            self.engine.commit(tid, first_token)
+        except RequestError as e:
+            self._fail(tid, "malformed", str(e), peer)
+            return
+        secs = time.monotonic() - (pending.first_frame_time or time.monotonic())
+        self.metrics.transfer_bytes.inc(pending.nbytes)
+        self.metrics.transfer_time.observe(secs)
+        self.metrics.prompt_tokens.inc(pending.num_tokens)
+        self.receiver.reply(peer, {"op": "ack", "transfer_id": tid, "bytes": pending.nbytes})
+        self.transfers[tid] = {"bytes": pending.nbytes, "payload_bytes": pending.payload_bytes, "seconds": secs,
+                               "num_tokens": pending.num_tokens, "layers_before_commit": len(pending.received)}
+        while len(self.transfers) > 1024:
+            self.transfers.popitem(last=False)
+
+    # ---- outputs ---------------------------------------------------------------------------------
+    def on_outputs(self, outs: list[RequestOutput]) -> None:
+        batches: dict[bytes, list] = defaultdict(list)
+        for out in outs:
+            rid = out.request_id
+            owner = self.owners.get(rid)
+            if owner is None:
+                continue
+            ids = list(out.new_token_ids) if out.num_output_tokens > 1 else []   # token #1 came from prefill
+            lps = pack_sampled(out.new_logprobs[-len(ids):] if ids else []) if self.want_lps.get(rid) else None
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            batches[owner].append({"rid": rid, "ids": ids, "lps": lps, "done": out.finished, "reason": reason})
+            self.metrics.generation_tokens.inc(len(ids))
+            if out.finished:
+                self.metrics.success(reason)
+                self.owners.pop(rid, None)
+                self.want_lps.pop(rid, None)
+        for owner, items in batches.items():
+            self.reply(owner, {"op": "out", "items": items})
+
+    def close(self) -> None:
+        super().close()
+        self.receiver.close()

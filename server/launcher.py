@@ -1,0 +1,128 @@
+"""``LocalPD``: prefill, decode and gateway processes on this machine (loopback, free ports).
+
+What ``launch-pd --role local``, the quickstart demo, the end-to-end tests and the serving
+benchmark start: real ``launch-pd`` processes, each instance on its own ports.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalPD:
+    """``num_prefill`` prefill and ``num_decode`` decode workers plus one gateway.
+
+    Attributes (after ``start``): ``base_url`` (gateway), ``metrics_urls`` {name: url} and
+    ``ready_urls`` {name: url} of every process. Raises RuntimeError if a process exits or the
+    gateway is not healthy within ``timeout_s``.
+    """
+
+    def __init__(self, config: str, model: str, num_prefill: int = 1, num_decode: int = 1,
+                 transport: str = "zmq-tcp", log_path: str | None = None, gateway_port: int | None = None,
+                 extra_args: dict[str, list[str]] | None = None, host: str = "127.0.0.1"):
+        self.host = host
+        launch = [sys.executable, "-m", "server.cli", "--config", config, "--model", model, "--host", host,
+                  "--transport", transport]
+        extra = extra_args or {}
+        self.cmds: dict[str, list[str]] = {}
+        self.metrics_urls: dict[str, str] = {}
+        self.ready_urls: dict[str, str] = {}
+        pre, dec = [], []
+        for i in range(num_prefill):
+            zp, hp = free_port(), free_port()
+            self.cmds[f"prefill{i}"] = launch + ["--role", "prefill", "--port", str(zp), "--http-port", str(hp)] \
+                + extra.get("prefill", [])
+            pre.append(f"{host}:{zp}")
+            self._http(f"prefill{i}", hp)
+        for i in range(num_decode):
+            zp, sp, hp = free_port(), free_port(), free_port()
+            self.cmds[f"decode{i}"] = launch + ["--role", "decode", "--port", str(zp), "--state-port", str(sp),
+                                                "--http-port", str(hp)] + extra.get("decode", [])
+            dec.append(f"{host}:{zp}")
+            self._http(f"decode{i}", hp)
+        gp = gateway_port or free_port()
+        self.cmds["gateway"] = launch + ["--role", "gateway", "--port", str(gp), "--prefill-addrs", ",".join(pre),
+                                         "--decode-addrs", ",".join(dec)] + extra.get("gateway", [])
+        self.base_url = f"http://{host}:{gp}"
+        self.metrics_urls["gateway"] = self.base_url + "/metrics"
+        self.log_path = log_path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _http(self, name: str, port: int) -> None:
+        self.metrics_urls[name] = f"http://{self.host}:{port}/metrics"
+        self.ready_urls[name] = f"http://{self.host}:{port}/ready"
+
+    def start(self, timeout_s: float = 600.0) -> "LocalPD":
+        out = open(self.log_path, "w") if self.log_path else None
+        self._log = out
+        for name, cmd in self.cmds.items():
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        end = time.monotonic() + timeout_s
+        while True:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                self.stop()
+                raise RuntimeError(f"the {dead[0]} process exited with {self.procs[dead[0]].returncode}"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"the gateway was not healthy within {timeout_s:g} s")
+            time.sleep(0.2)
+
+    def ready(self, name: str) -> dict:
+        """A worker's /ready body (its load: running, reserved, free_blocks, ...)."""
+        return httpx.get(self.ready_urls[name], timeout=5).json()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs.values())
+
+    def wait(self) -> int:
+        """Block until a process exits (returns its code) or KeyboardInterrupt."""
+        while True:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    return p.returncode
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "LocalPD":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def log_tail(path: str | Path, n: int = 20) -> str:
+    try:
+        return "".join(Path(path).read_text(errors="replace").splitlines(keepends=True)[-n:])
+    except OSError:
+        return ""

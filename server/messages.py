@@ -1,0 +1,78 @@
+"""Control messages between the gateway and the workers: msgpack maps of plain types, no pickle.
+
+Gateway -> worker (ZMQ DEALER -> ROUTER):
+    {"op": "ping"}                                             -> {"op": "pong", ...load...}
+    {"op": "reserve", "rid", "prompt_ids", "params", "lease_s"}  (decode) -> {"op": "reserved", "rid", "state_addr"}
+    {"op": "prefill", "rid", "prompt_ids", "params", "dest"}     (prefill) -> {"op": "first", ...} then
+                                                                  {"op": "transferred", ...}
+    {"op": "abort", "rid"}
+Worker -> gateway:
+    {"op": "out", "items": [{"rid", "ids", "lps", "done", "reason"}]}   decode, once per step
+    {"op": "error", "rid", "status", "message"}                         any failure of a sample's leg
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+
+from engine.sampling import Sampled, SamplingParams
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class MessageError(ValueError):
+    """A control message that is not a msgpack map with the fields its op needs."""
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(frame: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """Raises MessageError for oversize, non-msgpack or non-map frames."""
+    if len(frame) > max_bytes:
+        raise MessageError(f"message of {len(frame)} bytes exceeds {max_bytes}")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:   # msgpack raises several unrelated types on garbage
+        raise MessageError(f"not msgpack ({type(e).__name__})") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise MessageError("expected a map with an 'op' string")
+    return msg
+
+
+def params_to_dict(p: SamplingParams) -> dict:
+    d = dataclasses.asdict(p)
+    d["stop_token_ids"] = list(d["stop_token_ids"])
+    return d
+
+
+def params_from_dict(d) -> SamplingParams:
+    """Raises MessageError (not a map / unknown field) or SamplingError (a bad value)."""
+    if not isinstance(d, dict):
+        raise MessageError("params: expected a map")
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = set(d) - names
+    if unknown:
+        raise MessageError(f"params: unknown fields {sorted(unknown)[:4]}")
+    return SamplingParams(**d)
+
+
+def pack_sampled(s: list[Sampled] | None) -> list | None:
+    """[[logprob, [[id, logprob], ...] or None], ...] (token ids travel separately)."""
+    if s is None:
+        return None
+    return [[x.logprob, [list(t) for t in x.top_logprobs] if x.top_logprobs is not None else None] for x in s]
+
+
+def unpack_sampled(ids: list[int], lps: list | None) -> list[Sampled] | None:
+    if lps is None:
+        return None
+    return [Sampled(t, lp, [tuple(a) for a in top] if top is not None else None) for t, (lp, top) in zip(ids, lps)]
+
+
+def check_ids(v, field: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise MessageError(f"{field}: expected a list of ints")
+    return v

@@ -1,0 +1,103 @@
+"""Prometheus metrics, vLLM's names and meanings under the prefix ``dsv4:`` (reference/peers.md A.7).
+
+Gateway (per request, as the client sees it): TTFT, ITL, TPOT, E2E latency, queue time, token and
+request counters. Workers (per engine): running / waiting requests, state-pool usage, and the
+KV-state transfer (bytes, latency, failures). Each process owns a ``CollectorRegistry`` so several
+apps in one process (tests) do not share counters.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+disable_created_metrics()      # no *_created series (vLLM exports none)
+PREFIX = "dsv4:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# vLLM's buckets (vllm/v1/metrics/loggers.py), seconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class GatewayMetrics:
+    """Request-level metrics of the gateway. Labels: ``model_name`` (and ``finished_reason``)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        lbl = ["model_name"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token (s)", lbl,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Inter-token latency (s), per token", lbl,
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1) (s)", lbl, buckets=ITL_BUCKETS,
+                              registry=r).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request latency (s)", lbl,
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time waiting for admission (s)", lbl,
+                               buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", lbl,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens", lbl,
+                                         registry=r).labels(model_name)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason",
+                                lbl + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
+        self._model = model_name
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests being served by this gateway", lbl,
+                             registry=r).labels(model_name)
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(self._model, finished_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class WorkerMetrics:
+    """Engine and transfer metrics of one prefill or decode worker. Labels: ``model_name``, ``role``."""
+
+    def __init__(self, model_name: str, role: str, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        lbl, v = ["model_name", "role"], (model_name, role)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch", lbl,
+                             registry=r).labels(*v)
+        self.waiting = Gauge(PREFIX + "num_requests_waiting",
+                             "Requests queued (decode: reserved, waiting for their state)", lbl,
+                             registry=r).labels(*v)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of state-pool blocks in use (0..1)", lbl,
+                              registry=r).labels(*v)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled here (prefill) "
+                                     "or received as state (decode)", lbl, registry=r).labels(*v)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sampled here", lbl,
+                                         registry=r).labels(*v)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason",
+                                lbl + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self._success.labels(*v, reason)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduled (s)",
+                               lbl, buckets=E2E_BUCKETS, registry=r).labels(*v)
+        self.transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV-state bytes sent (prefill) / received "
+                                      "(decode)", lbl, registry=r).labels(*v)
+        self.transfer_time = Histogram(PREFIX + "kv_transfer_latency_seconds",
+                                       "Per request: first state frame to acknowledged commit (s)", lbl,
+                                       buckets=TRANSFER_BUCKETS, registry=r).labels(*v)
+        self._transfer_failures = Counter(PREFIX + "kv_transfer_failures", "Failed or refused transfers by cause",
+                                          lbl + ["cause"], registry=r)
+        self._v = v
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(*self._v, finished_reason).inc()
+
+    def transfer_failure(self, cause: str) -> None:
+        """cause: checksum | handshake | timeout | fenced | aborted | send | malformed."""
+        self._transfer_failures.labels(*self._v, cause).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,166 @@
+"""The prefill worker: runs chunked prefill, samples token #1, pushes the state to decode.
+
+Per sample (``{"op": "prefill", "rid", "prompt_ids", "params", "dest"}`` from the gateway):
+the engine prefills it (``hold_state``, one token), each layer's state is pushed to ``dest`` (the
+decode reservation's receiver) as soon as that layer is final, token #1 goes to the gateway the
+moment it is sampled (``first``), then a commit (or, if token #1 already ends the sample, a
+cancel) follows the layers and prefill's own copy of the state is freed at once. Decode's ack
+becomes ``transferred`` (bytes, seconds) to the gateway; a failure becomes ``error``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from engine.cache import state_tensors
+from engine.llm_engine import LLMEngine, RequestError
+from engine.sampling import SamplingError
+from engine.sequence import FinishReason, RequestOutput
+from kvtransfer.pusher import Pusher
+from kvtransfer.transport import make_sender
+from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
+from server.messages import MessageError, check_ids, pack_sampled, params_from_dict
+from server.worker import Worker, WorkerOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    identity: bytes
+    dest: str
+    params: object
+    num_tokens: int
+    sent_layers: bool = False
+    first_sent: bool = False
+
+
+class PrefillWorker(Worker):
+    role = "prefill"
+
+    def __init__(self, engine: LLMEngine, opts: WorkerOptions):
+        super().__init__(engine, opts)
+        self.jobs: dict[str, _Job] = {}
+        self.num_layers = len(engine.model.layers)
+        self.pusher = Pusher(lambda: make_sender(opts.transport, self.fingerprint, self.layout,
+                                                 f"prefill-{self.instance_id}"), opts.transfer_timeout_s)
+        engine.on_layer_final = self._on_layer_final
+
+    # ---- requests ------------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: dict) -> None:
+        op, rid = msg["op"], msg.get("rid")
+        if not isinstance(rid, str):
+            raise MessageError("rid: expected a string")
+        if op == "abort":
+            self._abort(rid)
+        elif op == "prefill":
+            self._prefill(identity, rid, msg)
+        else:
+            raise MessageError(f"op: {op!r} is not a prefill operation")
+
+    def _prefill(self, identity: bytes, rid: str, msg: dict) -> None:
+        prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
+        dest = msg.get("dest")
+        if not isinstance(dest, str) or not dest:
+            raise MessageError("dest: expected the decode reservation's state address")
+        try:
+            params = params_from_dict(msg.get("params"))
+            one = dataclasses.replace(params, max_new_tokens=1)
+            if params.seed is None:
+                raise RequestError("params.seed: must be set (decode continues with it)")
+            if rid in self.jobs:
+                raise RequestError(f"rid: {rid!r} is in use")
+            self.engine.add_request(rid, prompt, one, hold_state=True)
+        except (RequestError, SamplingError) as e:
+            self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+            return
+        self.jobs[rid] = _Job(identity, dest, params, len(prompt))
+
+    def _abort(self, rid: str) -> None:
+        job = self.jobs.pop(rid, None)
+        self.engine.abort(rid)
+        if job is not None and job.sent_layers and not job.first_sent:
+            self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, "aborted"))
+
+    # ---- state push ------------------------------------------------------------------------
+    def _on_layer_final(self, layer: int, done: list[tuple[str, int]]) -> None:
+        for rid, L in done:
+            job = self.jobs.get(rid)
+            if job is None:
+                continue
+            tensors = state_tensors(self.engine.cache, rid, L, [layer])
+            self.pusher.put("layer", rid, job.dest, encode_layer(rid, self.fingerprint, L, layer, tensors))
+            job.sent_layers = True
+
+    def on_outputs(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                self.engine.release(out.request_id)
+                continue
+            if not out.new_token_ids:            # failed in the engine (forward / sampling)
+                self._fail(out.request_id, job, 502, "prefill failed in the engine")
+                continue
+            self._first(out, job)
+
+    def _first(self, out: RequestOutput, job: _Job) -> None:
+        rid, tok, p = out.request_id, out.new_token_ids[0], job.params
+        e = self.engine
+        reason = None
+        if (tok in e.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = FinishReason.STOP
+        elif p.max_new_tokens == 1 or job.num_tokens + 1 >= e.limits.max_model_len:
+            reason = FinishReason.LENGTH
+        lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
+        self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
+                                  "reason": reason.value if reason else None, "queue_s": out.queue_time_s})
+        job.first_sent = True
+        e.release(rid)
+        m = self.metrics
+        m.prompt_tokens.inc(job.num_tokens)
+        m.generation_tokens.inc()
+        if out.queue_time_s is not None:
+            m.queue.observe(out.queue_time_s)
+        if reason is not None:
+            self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, f"finished: {reason.value}"))
+            del self.jobs[rid]
+            m.success(reason.value)
+        else:
+            self.pusher.put("commit", rid, job.dest, encode_commit(rid, self.fingerprint, job.num_tokens, tok,
+                                                                   self.num_layers))
+
+    def _fail(self, rid: str, job: _Job, status: int, message: str) -> None:
+        self.jobs.pop(rid, None)
+        self.engine.abort(rid)
+        self.engine.release(rid)
+        if job.sent_layers:
+            self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, message))
+        self.metrics.success("error")
+        self.reply(job.identity, {"op": "error", "rid": rid, "status": status, "message": message})
+
+    def tick(self) -> None:
+        for r in self.pusher.results():
+            job = self.jobs.pop(r.transfer_id, None)
+            if job is None:
+                continue
+            if r.kind == "acked":
+                self.metrics.transfer_bytes.inc(r.nbytes)
+                self.metrics.transfer_time.observe(r.seconds)
+                self.metrics.success("length")      # prefill's leg ends after token #1
+                self.reply(job.identity, {"op": "transferred", "rid": r.transfer_id, "bytes": r.nbytes,
+                                          "seconds": r.seconds})
+            else:
+                self.metrics.transfer_failure(r.cause)
+                self.metrics.success("error")
+                self.engine.abort(r.transfer_id)
+                self.engine.release(r.transfer_id)
+                self.reply(job.identity, {"op": "error", "rid": r.transfer_id, "status": 502,
+                                          "message": f"state transfer to decode failed ({r.cause}): {r.message}"})
+
+    def extra_load(self) -> dict:
+        return {"queued_tokens": sum(len(s.prompt_ids) for s in self.engine.scheduler.waiting)}
+
+    def close(self) -> None:
+        super().close()
+        self.pusher.close()

@@ -1,0 +1,189 @@
+"""What prefill and decode workers share: the ZMQ request endpoint, the HTTP side (/health,
+/ready, /metrics), the engine loop and the load report the gateway routes by.
+
+One thread runs the loop (requests in, one engine step, outputs out), as in nano-vllm / vLLM's
+engine core; the HTTP server runs on a daemon thread and only reads.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import uvicorn
+import zmq
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import RequestOutput
+from kvtransfer.wire import model_fingerprint
+from server.messages import MessageError, pack, unpack
+from server.metrics import CONTENT_TYPE, WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerOptions:
+    """Addresses (host / ports), timeouts (s) and the transport of one worker."""
+
+    host: str = "127.0.0.1"
+    port: int = 5555                 # ZMQ request endpoint (ROUTER)
+    http_port: int = 8001            # /health /ready /metrics; 0: none
+    state_port: int = 5558           # decode: state receiver
+    transport: str = "zmq-tcp"       # zmq-tcp | zmq-ipc | dist
+    lease_s: float = 60.0            # decode: a reservation's state must be committed within this
+    transfer_timeout_s: float = 60.0  # prefill: commit sent -> ack
+    idle_poll_ms: int = 2            # how long an idle loop waits for a message
+    max_queued: int = 1024           # decode: samples waiting for a reservation (then 429)
+    model_name: str = "deepseek-v4"
+
+
+def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
+    """The model fingerprint and state layout both sides of a transfer must agree on."""
+    a = engine.model.args
+    layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
+              "parallel": {"world_size": 1, "cp_size": 1, "dp_size": 1}}
+    return model_fingerprint(a.to_dict(), engine.model.dtype, layout), layout
+
+
+class Worker:
+    """Base of ``PrefillWorker`` / ``DecodeWorker``: subclasses implement ``handle``, ``tick``,
+    ``on_outputs`` and ``extra_load``."""
+
+    role = "worker"
+
+    def __init__(self, engine: LLMEngine, opts: WorkerOptions):
+        self.engine, self.opts = engine, opts
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.fingerprint, self.layout = state_fingerprint(engine)
+        self.metrics = WorkerMetrics(opts.model_name, self.role)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.sock.bind(f"tcp://{opts.host}:{opts.port}")
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.stop = threading.Event()
+        self.ready = False
+        self._http: uvicorn.Server | None = None
+
+    # ---- subclass hooks ----------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: dict) -> None:
+        raise NotImplementedError
+
+    def tick(self) -> None:
+        """Per-iteration work besides requests and the engine step (transfers, leases)."""
+
+    def on_outputs(self, outs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    def extra_load(self) -> dict:
+        return {}
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    def reply(self, identity: bytes, msg: dict) -> bool:
+        """Send to a gateway connection; False (logged) if it is gone."""
+        try:
+            self.sock.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("%s: reply %s to a gone peer: %s", self.role, msg.get("op"), e)
+            return False
+
+    def load(self) -> dict:
+        e = self.engine
+        free, total = e.num_free_blocks(), e.num_total_blocks()
+        used = max(1 - free[p] / total[p] for p in total if total[p])
+        return {"op": "pong", "role": self.role, "instance_id": self.instance_id, "ready": self.ready,
+                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "reserved": len(e.reserved), "batch_size": e.limits.batch_size, "kv_usage": used,
+                "free_blocks": free, "total_blocks": total, "max_model_len": e.limits.max_model_len,
+                "fingerprint": self.fingerprint, **self.extra_load()}
+
+    def _drain_requests(self) -> None:
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                log.warning("%s: dropped a %d-frame request", self.role, len(parts))
+                continue
+            identity, frame = parts
+            try:
+                msg = unpack(frame)
+                if msg["op"] == "ping":
+                    self.reply(identity, self.load())
+                else:
+                    self.handle(identity, msg)
+            except MessageError as e:
+                log.warning("%s: bad request: %s", self.role, e)
+                rid = msg.get("rid") if isinstance(locals().get("msg"), dict) else None
+                self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
+                                      "message": str(e)})
+
+    def _update_gauges(self) -> None:
+        e, m = self.engine, self.metrics
+        m.running.set(len(e.scheduler.running))
+        m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + len(getattr(self, "queued", ())))
+        free, total = e.num_free_blocks(), e.num_total_blocks()
+        m.kv_usage.set(max(1 - free[p] / total[p] for p in total if total[p]))
+
+    def run(self) -> None:
+        """The loop: requests, role work, one engine step, outputs. Returns when ``stop`` is set."""
+        self.ready = True
+        last_gauges = 0.0
+        try:
+            while not self.stop.is_set():
+                busy = self.engine.has_unfinished()
+                if self.poller.poll(0 if busy else self.opts.idle_poll_ms):
+                    self._drain_requests()
+                self.tick()
+                if self.engine.has_unfinished():
+                    self.on_outputs(self.engine.step())
+                now = time.monotonic()
+                if now - last_gauges > 0.1:
+                    self._update_gauges()
+                    last_gauges = now
+        finally:
+            self.ready = False
+
+    # ---- HTTP --------------------------------------------------------------------------------
+    def http_app(self) -> FastAPI:
+        app = FastAPI(title=f"dsv4-pd {self.role} worker", docs_url=None, redoc_url=None)
+
+        @app.get("/health")
+        def health():
+            return {"status": "ok", "role": self.role, "instance_id": self.instance_id}
+
+        @app.get("/ready")
+        def ready():
+            body = {k: v for k, v in self.load().items() if k != "op"}
+            return JSONResponse(body, status_code=200 if self.ready else 503)
+
+        @app.get("/metrics")
+        def metrics():
+            self._update_gauges()
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        return app
+
+    def start_http(self) -> None:
+        if not self.opts.http_port:
+            return
+        cfg = uvicorn.Config(self.http_app(), host=self.opts.host, port=self.opts.http_port, log_level="warning",
+                             access_log=False)
+        self._http = uvicorn.Server(cfg)
+        threading.Thread(target=self._http.run, name="http", daemon=True).start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._http is not None:
+            self._http.should_exit = True
+        self.sock.close(0)
