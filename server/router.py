@@ -5,6 +5,7 @@ least-loaded healthy prefill instance prefills with the reservation as destinati
 (``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
 (client gone, stop string) aborts both legs. Instances are pinged every ``health_interval_s``;
 one that has not answered for ``health_timeout_s`` (or says it is not ready) gets no new samples.
+Workers answer between engine steps, so the timeout must exceed the longest step (a long prefill).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class PDBackend:
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str], lease_s: float = 60.0,
                  queue_timeout_s: float = 600.0, first_token_timeout_s: float = 600.0,
-                 token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 3.0):
+                 token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0):
         if not prefill_addrs or not decode_addrs:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
         self.ctx = zmq.asyncio.Context()
@@ -140,8 +141,9 @@ class PDBackend:
                 log.warning("gateway: bad message from %s %s: %s", inst.role, inst.addr, e)
                 continue
             op = msg["op"]
+            inst.last_pong = time.monotonic()       # any message: the loop is alive (pings wait for a step)
             if op == "pong":
-                inst.load, inst.last_pong = msg, time.monotonic()
+                inst.load = msg
             elif op == "out":
                 for item in msg.get("items") or []:
                     q = self._streams.get(item.get("rid")) if isinstance(item, dict) else None
@@ -176,10 +178,10 @@ class PDBackend:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         dec = self._pick("decode")
-        pre = self._pick("prefill")
-        if dec is None or pre is None:
+        if dec is None or self._pick("prefill") is None:
             del self._streams[rid]
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
+        pre = dec                        # until prefill is picked (after the reservation)
         dec.inflight += 1
         legs = [dec]
         finished = False
@@ -190,6 +192,9 @@ class PDBackend:
             op, msg = await self._get(q, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)")
             if op != "reserved":
                 raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
+            pre = self._pick("prefill")    # chosen now: the least loaded when the state has a place
+            if pre is None:
+                raise BackendError("no healthy prefill instance", 503)
             legs.append(pre)
             pre.inflight += 1
             await self._send(pre, {"op": "prefill", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,

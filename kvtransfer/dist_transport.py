@@ -1,0 +1,382 @@
+"""torch.distributed transport: control over ZMQ, tensor bytes over a 2-rank process group per pair.
+
+Address: ``dist+tcp://HOST:PORT`` (or ``dist+ipc:///PATH``) names the receiver's ZMQ control
+endpoint. The receiver also hosts a ``torch.distributed.TCPStore`` (``store_port``, default a free
+port); its welcome tells the sender the store host/port, a pair prefix never reused, and the
+ranks (sender 0, receiver 1). Both sides then build ``ProcessGroup{Gloo,NCCL,HCCL}(PrefixStore
+(prefix, store), rank, 2, ...)``; the receiver does it on the pair's own thread, never on the
+socket thread. The global default group is never touched, so a process can talk to many peers.
+
+Per message: the header frame goes over ZMQ ([M, header]); the tensor bytes follow on the pair's
+group in a plan both sides derive from the header alone: frames under ``coalesce_bytes`` are packed
+into one buffer (one op instead of hundreds of tiny ones), larger frames go one op each, zero-copy
+from the sender's buffers; empty frames send nothing. Tag = op index within the message. The
+receiver reassembles [header, buf_1 .. buf_n] so ``wire.decode_state`` works unchanged.
+
+Backend by device: "cpu" -> gloo, "cuda[:i]" -> nccl, "npu[:i]" -> hccl (torch_npu). Only gloo is
+exercised here. The data plane trusts its peer like any c10d group does: gloo aborts the process
+when a peer sends more bytes than a posted recv (the sender checks every frame size against the
+header before sending, and a receiver that drops a header tears the pair down so the plan can never
+desynchronise). Keep the store and group ports on the cluster network.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import queue
+import socket
+import threading
+import time
+import uuid
+import warnings
+from itertools import count
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer import wire
+from kvtransfer.transport import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TransportError, check_message,
+                                  pack_control)
+from kvtransfer.zmq_transport import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
+
+
+def backend_for(device: str | torch.device) -> str:
+    """'cpu' -> 'gloo', 'cuda' -> 'nccl', 'npu' -> 'hccl'. Raises ValueError for other devices."""
+    kind = torch.device(device).type
+    try:
+        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[kind]
+    except KeyError:
+        raise ValueError(f"dist transport: no backend for device {device!r} (cpu, cuda, npu)") from None
+
+
+def make_pair_group(backend: str, store, rank: int, timeout_s: float, host: str | None = None):
+    """A 2-rank process group on ``store`` (a PrefixStore unique to the pair); blocks until both join.
+
+    ``host``: the local address gloo listens on (default: gloo's choice from the hostname).
+    Raises RuntimeError (from c10d) on rendezvous timeout.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        G = dist.ProcessGroupGloo
+        opts = G._Options()
+        opts._devices = [G.create_device(hostname=host) if host else G.create_default_device()]
+        opts._timeout = timeout
+        return G(store, rank, 2, opts)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.is_high_priority_stream = False
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    if backend == "hccl":
+        importlib.import_module("torch_npu")   # registers torch.distributed.ProcessGroupHCCL
+        if hasattr(dist, "ProcessGroupHCCL"):   # documented: ProcessGroupHCCL(store, rank, size, timeout)
+            return dist.ProcessGroupHCCL(store, rank, 2, timeout)
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, 2, opts)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def transfer_plan(sizes: list[int], coalesce_bytes: int) -> list[list[int]]:
+    """Frame indices per group op: one packed op for all frames in (0, coalesce_bytes), first,
+    then one op per larger frame. Empty frames are in no op. Both sides compute the same plan."""
+    small = [i for i, n in enumerate(sizes) if 0 < n < coalesce_bytes]
+    return ([small] if small else []) + [[i] for i, n in enumerate(sizes) if n >= coalesce_bytes and n > 0]
+
+
+def _as_u8(frame, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over the frame's bytes (zero-copy for CPU buffers), moved to ``device``."""
+    if isinstance(frame, torch.Tensor):
+        t = frame.detach().contiguous().reshape(-1).view(torch.uint8)
+    else:
+        mv = memoryview(frame)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        with warnings.catch_warnings():   # read-only buffers: we only read them
+            warnings.simplefilter("ignore")
+            t = torch.frombuffer(mv, dtype=torch.uint8)
+    return t if t.device == device else t.to(device)
+
+
+def _wait_all(works: list) -> None:
+    """Wait for c10d works in order. Raises RuntimeError from the backend (peer gone, op timeout).
+
+    Blocking: gloo send/recv works have no future and ``is_completed`` only turns true inside
+    ``wait``; neither ``abort`` nor ``shutdown`` interrupts a pending wait. A wait ends when the
+    data arrives, the peer closes its group, or ``op_timeout_s`` passes.
+    """
+    for w in works:
+        w.wait()
+
+
+def _local_ip_towards(host: str) -> str:
+    """The local address that routes to ``host`` (no packet is sent)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1" if host != "::1" else "::1"
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _tcp_host(zdest: str) -> str:
+    if zdest.startswith("tcp://"):
+        hostport = zdest[6:]
+        host = hostport.rsplit(":", 1)[0]
+        return host.strip("[]")
+    return "127.0.0.1"   # ipc control: same machine
+
+
+class _TxPair:
+    __slots__ = ("store", "pg", "peer_rank", "coalesce")
+
+    def __init__(self, store, pg, peer_rank, coalesce):
+        self.store, self.pg, self.peer_rank, self.coalesce = store, pg, peer_rank, coalesce
+
+
+class DistStateSender(ZmqStateSender):
+    """Prefill side of the dist transport. Frames may also be torch tensors (any device); CPU
+    buffers are moved to ``device`` when it is an accelerator.
+
+    Args (beyond ZmqStateSender's): device ("cpu" -> gloo, "cuda:i" -> nccl, "npu:i" -> hccl),
+        op_timeout_s (per group op), local_host (address gloo listens on; default the local
+        address routing to the receiver).
+    """
+    transport_name = "dist"
+    _dist = True
+
+    def __init__(self, fingerprint: str, layout: dict, sender_id: str, device: str = "cpu",
+                 op_timeout_s: float = 120.0, local_host: str | None = None, **kw):
+        super().__init__(fingerprint, layout, sender_id, **kw)
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        self.op_timeout_s, self.local_host = op_timeout_s, local_host
+
+    def _mine(self) -> dict:
+        return {**super()._mine(), "backend": self.backend}
+
+    def _on_welcome(self, conn: _Conn, w: dict, deadline: float) -> None:
+        if not (isinstance(w.get("store_port"), int) and isinstance(w.get("prefix"), str)
+                and w.get("rank") in (0, 1) and isinstance(w.get("coalesce_bytes"), int)):
+            raise TransportError(f"handshake with {conn.dest}: welcome lacks the dist rendezvous fields")
+        host = w.get("store_host") or _tcp_host(conn.zdest)
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            store = dist.TCPStore(host, w["store_port"], None, False, datetime.timedelta(seconds=left),
+                                  wait_for_workers=False)
+            pg = make_pair_group(self.backend, dist.PrefixStore(w["prefix"], store), w["rank"], self.op_timeout_s,
+                                 self.local_host or _local_ip_towards(host))
+        except Exception as e:
+            raise TransportError(f"dist rendezvous with {conn.dest} (store {host}:{w['store_port']}) failed: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        conn.extra = _TxPair(store, pg, 1 - w["rank"], w["coalesce_bytes"])
+
+    def _close_extra(self, conn: _Conn) -> None:
+        conn.extra = None   # drops the group: its connections close, a pending peer op errors
+
+    def _send_payload(self, conn: _Conn, frames: list, header: dict) -> None:
+        pair: _TxPair = conn.extra
+        sizes = [m["nbytes"] for m in header["tensors"]]
+        bufs = [self._op_buffer(frames, op, sizes) for op in transfer_plan(sizes, pair.coalesce)]   # may raise
+        conn.sock.send_multipart([TAG_MSG, frames[0]])
+        try:   # from here on a failure must end the pair: the receiver expects exactly these ops
+            _wait_all([pair.pg.send([t], pair.peer_rank, tag) for tag, t in enumerate(bufs)])
+        except RuntimeError as e:
+            self._drop(conn.dest)
+            raise TransportError(f"dist send to {conn.dest} failed (decode peer gone?): "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except BaseException:
+            self._drop(conn.dest)
+            raise
+
+    def _op_buffer(self, frames: list, op: list[int], sizes: list[int]) -> torch.Tensor:
+        """The uint8 tensor one group op sends: the frame itself (zero-copy) or small frames packed."""
+        if len(op) == 1:
+            return _as_u8(frames[1 + op[0]], self.device)
+        if self.device.type == "cpu" and not any(isinstance(frames[1 + i], torch.Tensor) for i in op):
+            packed, off = bytearray(sum(sizes[i] for i in op)), 0   # plain memcpy, no intra-op threads
+            for i in op:
+                packed[off:off + sizes[i]] = memoryview(frames[1 + i]).cast("B")
+                off += sizes[i]
+            return torch.frombuffer(packed, dtype=torch.uint8)
+        t = torch.empty(sum(sizes[i] for i in op), dtype=torch.uint8, device=self.device)
+        off = 0
+        for i in op:
+            t[off:off + sizes[i]].copy_(_as_u8(frames[1 + i], self.device))
+            off += sizes[i]
+        return t
+
+
+class _RxPair:
+    """Receiver side of one pair: its thread builds the group, then receives messages in order."""
+
+    def __init__(self, peer: _Peer, prefix: str):
+        self.peer, self.prefix = peer, prefix
+        self.q: queue.SimpleQueue = queue.SimpleQueue()   # (header buffer, header dict, nbytes) | None
+        self.stop = threading.Event()
+        self.dead = False
+        self.thread: threading.Thread | None = None
+
+
+class DistStateReceiver(ZmqStateReceiver):
+    """Decode side of the dist transport, address ``dist+tcp://HOST:PORT`` (``dist+ipc://PATH``
+    with ``ipc_path``).
+
+    Args (beyond ZmqStateReceiver's): store_port (TCPStore, 0: a free port), advertise_host (store
+        host put in the welcome; default the bind host, or the sender's dest host for wildcards),
+        device (as for the sender), op_timeout_s (per group op), rendezvous_timeout_s (how long a
+        pair thread waits for the sender to join its group), coalesce_bytes
+        (frames smaller than this are packed into one op), deliver ("cpu": frames are host
+        buffers for wire.decode_state; "device": uint8 device tensors, accelerators only).
+    """
+    transport_name = "dist"
+
+    def __init__(self, host: str, port: int, fingerprint: str, layout: dict, store_port: int = 0,
+                 advertise_host: str | None = None, device: str = "cpu", op_timeout_s: float = 120.0,
+                 coalesce_bytes: int = 1 << 20, deliver: str = "cpu", ipc_path: str | None = None,
+                 rendezvous_timeout_s: float = 30.0, **kw):
+        self.device = torch.device(device)
+        self.backend = backend_for(self.device)
+        self.op_timeout_s, self.coalesce_bytes, self.deliver_to = op_timeout_s, int(coalesce_bytes), deliver
+        if deliver not in ("cpu", "device"):
+            raise ValueError(f"deliver must be 'cpu' or 'device', found {deliver!r}")
+        wildcard = host in ("0.0.0.0", "::", "*", "")
+        # TCPStore alone listens on every interface: hand it a socket bound to ``host`` instead
+        lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind(("0.0.0.0" if host in ("*", "") else host, store_port))
+            lsock.listen(128)
+            self.store_port = lsock.getsockname()[1]
+            self._store = dist.TCPStore(host if not wildcard else "0.0.0.0", self.store_port, None, True,
+                                        datetime.timedelta(seconds=rendezvous_timeout_s), wait_for_workers=False,
+                                        master_listen_fd=lsock.detach())
+        finally:
+            lsock.close()
+        self._store_host = advertise_host or (None if wildcard else host)
+        self._gloo_host = None if wildcard else host
+        self._pairs_n = count()
+        self._pairs: set[_RxPair] = set()
+        self._pairs_lock = threading.Lock()
+        try:
+            super().__init__("zmq-ipc" if ipc_path else "zmq-tcp", host, port, fingerprint, layout,
+                             ipc_path=ipc_path, advertise_host=advertise_host, **kw)
+        except BaseException:
+            self._store = None
+            raise
+        self._stats["pair_failures"] = 0
+
+    def _public_address(self, zaddr: str) -> str:
+        return "dist+" + zaddr
+
+    def _mine(self) -> dict:
+        return {**super()._mine(), "backend": self.backend}
+
+    # -- handshake: one pair (group + thread) per sender -----------------------------------
+    def _welcome_extra(self, peer: _Peer, hello: dict) -> dict:
+        pair = _RxPair(peer, f"dsv4-pd/{self.receiver_id}/{uuid.uuid4().hex[:8]}/{next(self._pairs_n)}")
+        pair.thread = threading.Thread(target=self._pair_main, args=(pair,), daemon=True,
+                                       name=f"state-rx-pair-{peer.peer_id}")
+        peer.extra = pair
+        with self._pairs_lock:
+            self._pairs.add(pair)
+        pair.thread.start()
+        return {"store_host": self._store_host, "store_port": self.store_port, "prefix": pair.prefix, "rank": 0,
+                "coalesce_bytes": self.coalesce_bytes}
+
+    def _accept(self, peer: _Peer, body: list) -> None:
+        h = check_message(body, self.limits, with_tensor_frames=False)
+        nbytes = len(body[0]) + sum(m["nbytes"] for m in h["tensors"])
+        pair: _RxPair = peer.extra
+        with self._cond:   # the pair thread sets ``dead`` under this lock before releasing its queue
+            if pair.dead:
+                raise wire.TransferError("dist pair failed; handshake again")
+            self._pending += nbytes
+            pair.q.put((body[0], h, nbytes))
+
+    def _on_dropped(self, peer: _Peer) -> None:
+        # the sender will push this message's tensors anyway: never let the plan desynchronise
+        self._forget(peer)
+
+    def _peer_gone(self, peer: _Peer, graceful: bool = False) -> None:
+        pair: _RxPair | None = peer.extra
+        if pair is not None:
+            if not graceful:   # graceful: the pair thread finishes the queued messages first
+                pair.stop.set()
+            pair.q.put(None)
+
+    def _close_extra(self) -> None:
+        with self._pairs_lock:
+            pairs = list(self._pairs)
+        for p in pairs:
+            p.stop.set()
+            p.q.put(None)
+        for p in pairs:
+            p.thread.join(5)   # one still in rendezvous / mid-message ends at its timeout (daemon)
+        self._store = None    # releases the store port once no group holds it
+
+    # -- the pair thread -------------------------------------------------------------------
+    def _pair_main(self, pair: _RxPair) -> None:
+        pg = None
+        try:
+            pg = make_pair_group(self.backend, dist.PrefixStore(pair.prefix, self._store), 1, self.op_timeout_s,
+                                 self._gloo_host)
+            while not pair.stop.is_set():
+                item = pair.q.get()
+                if item is None:
+                    break
+                hbuf, h, nbytes = item
+                frames = self._recv_tensors(pg, pair, h)
+                self._deliver(pair.peer.peer_id, [hbuf, *frames], nbytes, reserved=True)
+        except Exception as e:
+            if not pair.stop.is_set():
+                self._count("pair_failures")
+                if self._forget(pair.peer):
+                    self._queue_out(pair.peer.rid, TAG_CTL, pack_control(
+                        {"op": REJECT_OP, "v": PROTOCOL_VERSION, "transfer_id": None,
+                         "reason": f"dist pair failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"},
+                        self.limits.max_control_bytes))
+        finally:
+            with self._cond:
+                pair.dead = True
+                while True:   # release reservations of messages that will never arrive
+                    try:
+                        item = pair.q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        self._pending -= item[2]
+            with self._pairs_lock:
+                self._pairs.discard(pair)
+            del pg
+
+    def _recv_tensors(self, pg, pair: _RxPair, h: dict) -> list:
+        metas = h["tensors"]
+        sizes = [m["nbytes"] for m in metas]
+        plan = transfer_plan(sizes, self.coalesce_bytes)
+        bufs = [torch.empty(sum(sizes[i] for i in op), dtype=torch.uint8, device=self.device) for op in plan]
+        works = [pg.recv([b], 0, tag) for tag, b in enumerate(bufs)]
+        _wait_all(works)
+        frames: list = [b""] * len(sizes)
+        for op, b in zip(plan, bufs):
+            if self.deliver_to == "cpu" or self.device.type == "cpu":
+                b = b.cpu()
+                mv = memoryview(b.numpy())
+                off = 0
+                for i in op:
+                    frames[i] = mv[off:off + sizes[i]]
+                    off += sizes[i]
+            else:
+                off = 0
+                for i in op:
+                    frames[i] = b[off:off + sizes[i]]
+                    off += sizes[i]
+        if self.deliver_to == "device" and self.device.type != "cpu":
+            frames = [f if isinstance(f, torch.Tensor) else torch.empty(0, dtype=torch.uint8, device=self.device)
+                      for f in frames]
+        return frames
+

@@ -1,0 +1,353 @@
+"""Transports for a request's decode state (prefill -> decode), behind one interface.
+
+A *message* is a list of frames exactly as ``kvtransfer.wire`` builds them: frame 0 is a msgpack
+header that ``wire.decode_header`` parses, frames 1..n are the raw bytes of the tensors the header
+lists (``header["tensors"][i]["nbytes"]`` bytes each; n may be 0). Transports never look at the
+message kind and never verify crc32: the decode worker does that with ``wire.decode_state``, so a
+corrupted frame is delivered and counted there.
+
+Kinds and the addresses a receiver advertises (``StateReceiver.address``, what senders pass as
+``dest``):
+
+    zmq-tcp   tcp://HOST:PORT                 ZMQ ROUTER (receiver) / DEALER (sender)
+    zmq-ipc   ipc:///PATH                     same, over a unix socket
+    dist      dist+tcp://HOST:PORT            control (handshake, headers, replies) over ZMQ as above,
+              dist+ipc:///PATH                tensor bytes over a 2-rank torch.distributed group per
+                                              (sender, receiver) pair: gloo (CPU), nccl (CUDA), hccl (NPU)
+
+Handshake (msgpack control messages on the ZMQ pair, before any state message):
+
+    sender -> receiver  {"op": "hello", "v": 1, "sender_id", "fingerprint", "layout", "transport",
+                         "nonce", [dist: "backend"]}
+    receiver -> sender  {"op": "welcome", "v": 1, "receiver_id", "peer_id", "nonce", "fingerprint",
+                         "layout", "limits": {"max_frames", "max_message_bytes"},
+                         [dist: "store_host", "store_port", "prefix", "rank", "coalesce_bytes"]}
+                     or {"op": "refuse", "v": 1, "nonce", "reason"}   (reason names what differs)
+
+The receiver may later send ``{"op": "transport.reject", "v": 1, "reason", "transfer_id"}`` for a
+state message it dropped (no handshake, malformed, over a limit, dist pair failed); the sender
+surfaces it through ``poll_replies`` and handshakes again on its next ``send``. A sender's
+``close`` sends ``{"op": "bye", "v": 1, "sender_id"}``: the receiver forgets it after delivering
+what is already under way. A hello whose sender_id is already connected supersedes that peer
+(a restarted prefill worker), so sender ids must be unique per live sender.
+
+Every ZMQ message also carries a leading one-byte tag frame (C control, M state message, R reply),
+so control and state messages never depend on what the wire header contains.
+
+No pickle anywhere: control messages are msgpack of plain types; every size is bounded (``Limits``).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import msgpack
+
+from kvtransfer import wire
+
+PROTOCOL_VERSION = 1
+KINDS = ("zmq-tcp", "zmq-ipc", "dist")
+REJECT_OP = "transport.reject"
+
+# First frame of every ZMQ message on the pair: what the rest is.
+TAG_CTL = b"C"   # one msgpack control frame (hello / welcome / refuse / transport.reject)
+TAG_MSG = b"M"   # a state message: header frame [+ tensor frames for the zmq kinds]
+TAG_REP = b"R"   # one msgpack reply frame from StateReceiver.reply
+
+
+class TransportError(RuntimeError):
+    """Connect / handshake refused or timed out, or the peer is gone. The message says which and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size bounds a receiver enforces (and announces in its welcome so senders check first).
+
+    max_frames: tensor frames per message. max_message_bytes: header + tensor bytes of one message
+    (also the largest single ZMQ frame the socket accepts). max_control_bytes: one hello / reply /
+    control frame. max_pending_bytes: delivered-but-not-yet-``recv``ed bytes before the receiver
+    stops reading its socket (back-pressure). max_peers: live handshaked senders.
+    """
+    max_frames: int = 8192
+    max_message_bytes: int = 16 << 30
+    max_control_bytes: int = 1 << 20
+    max_pending_bytes: int = 8 << 30
+    max_peers: int = 1024
+
+    def announce(self) -> dict:
+        return {"max_frames": self.max_frames, "max_message_bytes": self.max_message_bytes}
+
+
+def limits_from(kw: dict) -> Limits:
+    """Pop Limits fields out of ``kw`` (so factories can take them as keyword arguments)."""
+    fields = asdict(Limits())
+    return Limits(**{k: int(kw.pop(k)) for k in list(kw) if k in fields})
+
+
+# --------------------------------------------------------------------------------------------- #
+# control messages
+
+def pack_control(msg: dict, max_bytes: int) -> bytes:
+    """msgpack of a dict of plain types. Raises TypeError (not packable) or ValueError (too big)."""
+    if not isinstance(msg, dict):
+        raise TypeError(f"a control message is a dict, found {type(msg).__name__}")
+    blob = msgpack.packb(msg, use_bin_type=True)
+    if len(blob) > max_bytes:
+        raise ValueError(f"control message: {len(blob)} bytes exceeds {max_bytes}")
+    return blob
+
+
+def unpack_control(frame, max_bytes: int) -> dict | None:
+    """msgpack frame -> dict, or None when it is too big, not msgpack or not a map (never raises)."""
+    try:
+        if len(frame) > max_bytes:
+            return None
+        msg = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True)
+    except Exception:   # msgpack raises several unrelated types on garbage
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def normalize_layout(layout: dict) -> dict:
+    """The layout as the peer will see it after a msgpack round trip (tuples become lists)."""
+    if not isinstance(layout, dict):
+        raise TypeError(f"layout must be a dict, found {type(layout).__name__}")
+    return msgpack.unpackb(msgpack.packb(layout, use_bin_type=True), raw=False, strict_map_key=False)
+
+
+def layout_diff(ours, theirs, path: str = "layout") -> list[tuple[str, object, object]]:
+    """Dotted paths where two layouts differ, with (ours, theirs) values; missing keys show as None."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for k in sorted(set(ours) | set(theirs), key=str):
+            out += layout_diff(ours.get(k), theirs.get(k), f"{path}.{k}")
+        return out
+    return [] if ours == theirs else [(path, ours, theirs)]
+
+
+def _short(v, n: int = 60) -> str:
+    s = repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | None:
+    """Why two sides must not exchange state, or None when they agree.
+
+    ``mine`` / ``theirs``: dicts with "transport", "fingerprint", "layout" (and "backend" for dist).
+    ``me`` / ``them`` name the sides in the reason ("decode", "prefill").
+    """
+    reasons = []
+    for key in ("transport", "backend"):
+        if mine.get(key) != theirs.get(key):
+            reasons.append(f"{key} differs: {them} uses {theirs.get(key)!r}, {me} uses {mine.get(key)!r}")
+    diffs = layout_diff(mine.get("layout"), theirs.get("layout"))
+    for path, a, b in diffs[:8]:
+        reasons.append(f"{path} differs: {them} has {_short(b)}, {me} has {_short(a)}")
+    if len(diffs) > 8:
+        reasons.append(f"... and {len(diffs) - 8} more layout keys")
+    if mine.get("fingerprint") != theirs.get("fingerprint"):
+        reasons.append(f"fingerprint differs: {them} runs model {str(theirs.get('fingerprint'))[:16]}, {me} runs "
+                       f"{str(mine.get('fingerprint'))[:16]} (checkpoint config / kv dtype / state layout differ)")
+    return "; ".join(reasons) or None
+
+
+# --------------------------------------------------------------------------------------------- #
+# message checks shared by senders (before sending) and receivers (before delivering)
+
+def check_message(frames: list, limits: Limits, with_tensor_frames: bool = True) -> dict:
+    """Structural checks of a state message, no crc32. Returns the parsed header.
+
+    ``frames``: [header, tensor frames...] (``with_tensor_frames``) or just [header] (the dist
+    control path, where the tensor sizes come from the header alone).
+
+    Raises:
+        wire.TransferError: unparseable header, too many frames, total bytes over
+            ``limits.max_message_bytes``, frame count or a frame's size not what the header lists.
+    """
+    if not frames:
+        raise wire.TransferError("message: no frames")
+    if len(frames) - 1 > limits.max_frames:
+        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames exceed {limits.max_frames}")
+    h = wire.decode_header(frames[0])
+    metas = h["tensors"]
+    if len(metas) > limits.max_frames:
+        raise wire.TransferError(f"message: {len(metas)} tensors exceed {limits.max_frames}")
+    total = len(frames[0]) + sum(m["nbytes"] for m in metas)
+    if total > limits.max_message_bytes:
+        raise wire.TransferError(f"message: {total} bytes exceed {limits.max_message_bytes}")
+    if with_tensor_frames:
+        if len(frames) != 1 + len(metas):
+            raise wire.TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
+        for m, f in zip(metas, frames[1:]):
+            n = frame_nbytes(f)
+            if n != m["nbytes"]:
+                raise wire.TransferError(f"tensor {m['name']}: frame has {n} bytes, header says {m['nbytes']}")
+    elif len(frames) != 1:
+        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
+    return h
+
+
+def frame_nbytes(f) -> int:
+    """Byte size of a frame (bytes, memoryview, zmq.Frame or torch.Tensor)."""
+    if hasattr(f, "untyped_storage"):   # torch.Tensor (dist transport accepts device tensors)
+        return f.numel() * f.element_size()
+    if hasattr(f, "buffer"):   # zmq.Frame
+        return len(f)
+    return memoryview(f).nbytes
+
+
+def transfer_id_of(frame0) -> str | None:
+    """Best-effort transfer id of a message's header (for reject replies); None when unparseable."""
+    try:
+        return wire.decode_header(frame0)["transfer_id"]
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------------------------- #
+# addresses
+
+def split_dest(dest: str, dist: bool) -> str:
+    """Sender destination -> ZMQ endpoint. ``dist`` senders take ``dist+tcp://`` / ``dist+ipc://``
+    (a bare ``tcp://`` / ``ipc://`` too). Raises ValueError for any other scheme."""
+    if not isinstance(dest, str):
+        raise ValueError(f"dest must be a string, found {type(dest).__name__}")
+    zdest = dest[5:] if dist and dest.startswith("dist+") else dest
+    if not (zdest.startswith("tcp://") or zdest.startswith("ipc://")):
+        want = "dist+tcp://HOST:PORT or dist+ipc:///PATH" if dist else "tcp://HOST:PORT or ipc:///PATH"
+        raise ValueError(f"dest {dest!r}: expected {want}")
+    return zdest
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """ZMQ bind endpoint for host/port; port 0 picks a free port. IPv6 hosts are bracketed."""
+    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{h}:{port if port else '*'}"
+
+
+def default_ipc_path(port: int) -> str:
+    """``$TMPDIR/dsv4-pd-PORT.sock`` for a fixed port, a unique path for port 0."""
+    name = f"dsv4-pd-{port}.sock" if port else f"dsv4-pd-{os.getpid()}-{uuid.uuid4().hex[:10]}.sock"
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+# --------------------------------------------------------------------------------------------- #
+# the interface
+
+class StateSender(ABC):
+    """Prefill side: pushes state messages to decode receivers. Used from ONE thread only."""
+
+    @abstractmethod
+    def connect(self, dest: str, timeout_s: float = 10.0) -> None:
+        """Handshake with the receiver at ``dest`` (idempotent per dest).
+
+        Raises:
+            TransportError: refused (the reason names the differing fingerprint / layout key /
+                transport) or no welcome within ``timeout_s`` seconds.
+            ValueError: ``dest`` is not an address this kind understands.
+        """
+
+    @abstractmethod
+    def send(self, dest: str, frames: list) -> int:
+        """Send one message (``connect`` first if needed). Returns the bytes sent (sum of frame sizes).
+
+        Frames are sent zero-copy where the transport allows: do not modify their buffers afterwards.
+
+        Raises:
+            wire.TransferError: the message is malformed or over the receiver's announced limits
+                (nothing was sent). TransportError: handshake failed or the peer is gone.
+        """
+
+    @abstractmethod
+    def poll_replies(self, timeout_s: float = 0.0) -> list[tuple[str, dict]]:
+        """(dest, dict) control replies from receivers, waiting up to ``timeout_s`` s for the first
+        (0: non-blocking). Includes ``{"op": "transport.reject", ...}`` for messages a receiver dropped."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets (and process groups). Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StateReceiver(ABC):
+    """Decode side: receives complete messages on a background thread; the decode loop drains them."""
+
+    address: str
+
+    @abstractmethod
+    def recv(self, timeout_s: float = 0.0) -> list[tuple[str, list]]:
+        """(peer_id, frames) complete messages in arrival order (per sender, order preserved),
+        waiting up to ``timeout_s`` s for the first. frames[0] is the header; tensor frames are
+        buffers (memoryview / bytes) of exactly the listed nbytes, crc32 NOT checked."""
+
+    @abstractmethod
+    def reply(self, peer_id: str, msg: dict) -> None:
+        """Queue a msgpack control message back to ``peer_id``. Thread-safe.
+
+        Raises:
+            TransportError: unknown peer or the receiver is closed. TypeError / ValueError: ``msg``
+                is not msgpack-able / over ``max_control_bytes``.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the receiving thread(s), release the socket / store port. Idempotent."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters: messages, bytes, handshakes, refused, dropped_malformed, dropped_unknown_peer,
+        replies, replies_dropped, peers (and pair_failures for dist)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, fingerprint: str = "",
+                  layout: dict | None = None, **kw) -> StateReceiver:
+    """Bind a receiver of ``kind`` ("zmq-tcp" | "zmq-ipc" | "dist") on ``host``:``port`` (0: a free
+    port). Keyword arguments: ``receiver_id``, ``ipc_path`` (zmq-ipc, or dist over ipc),
+    ``advertise_host``, ``linger_ms``, the ``Limits`` fields, and for dist ``store_port``,
+    ``device``, ``op_timeout_s``, ``rendezvous_timeout_s``, ``coalesce_bytes``, ``deliver``.
+
+    Raises:
+        ValueError: unknown kind. zmq.ZMQError / OSError: the address (or store port) cannot be bound.
+    """
+    layout = {} if layout is None else layout
+    if kind in ("zmq-tcp", "zmq-ipc"):
+        from kvtransfer.zmq_transport import ZmqStateReceiver
+        return ZmqStateReceiver(kind, host, port, fingerprint, layout, **kw)
+    if kind == "dist":
+        from kvtransfer.dist_transport import DistStateReceiver
+        return DistStateReceiver(host, port, fingerprint, layout, **kw)
+    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
+
+
+def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_id: str = "", **kw) -> StateSender:
+    """A sender of ``kind``. "zmq-tcp" and "zmq-ipc" are the same sender (the dest address says
+    which). Keyword arguments: ``send_timeout_s``, ``linger_ms``, ``max_control_bytes``, and for
+    dist ``device``, ``op_timeout_s``, ``local_host``.
+
+    Raises:
+        ValueError: unknown kind.
+    """
+    layout = {} if layout is None else layout
+    sender_id = sender_id or f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if kind in ("zmq-tcp", "zmq-ipc"):
+        from kvtransfer.zmq_transport import ZmqStateSender
+        return ZmqStateSender(fingerprint, layout, sender_id, **kw)
+    if kind == "dist":
+        from kvtransfer.dist_transport import DistStateSender
+        return DistStateSender(fingerprint, layout, sender_id, **kw)
+    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI routes, SSE streaming, metrics, disconnects.
+
+    app = create_app(backend, tokenizer, "deepseek-v4-flash")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics. Requests become ``server.openai_serving.Job`` samples (one backend stream each, run
+concurrently); their events become a JSON body or SSE chunks (``data: {json}\\n\\n`` ...
+``data: [DONE]``). Errors use OpenAI's shape: 400 for bad input (pydantic's 422 included), 404 for an
+unknown model, ``BackendError.status`` for the backend, 500 only for a server fault. A streamed
+request answers with HTTP headers once the first token (or a refusal) arrives, so a backend
+refusal keeps its status; an error after that is a final ``data: {"error": ...}`` event.
+
+A client that disconnects (streamed or not) has its samples' backend iterators closed, which
+aborts them and frees their state. Metrics follow vLLM (per sample): TTFT from arrival to the first
+token, ITL between token events, TPOT = (e2e - TTFT) / (tokens - 1), request_success by reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.backend import Backend, BackendError, GenRequest
+from server.metrics import CONTENT_TYPE, GatewayMetrics
+from server.openai_serving import (ChoiceResult, Job, Piece, Sample, SampleAssembler, TokenStrings, first_chunks,
+                                   full_response, piece_chunk, prepare_chat, prepare_completion, usage_chunk)
+from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger(__name__)
+_DONE, _GONE = object(), object()
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing more is sent."""
+
+
+# ---- running a job's samples ---------------------------------------------------------------------------
+class Generation:
+    """Runs every sample of ``job`` concurrently on ``backend``; ``next()`` yields their pieces.
+
+    Each sample task feeds its ``SampleAssembler`` and closes its backend iterator when done (a
+    stop string or ``cancel`` aborts the sample there). Records the per-sample metrics; a prompt's
+    tokens count in prompt_tokens once its first sample has a token (a refused request adds none).
+    """
+
+    def __init__(self, backend: Backend, job: Job, tokenizer, strings: TokenStrings, metrics: GatewayMetrics,
+                 arrival: float):
+        self.job, self._backend, self._m, self._arrival = job, backend, metrics, arrival
+        self._q: asyncio.Queue = asyncio.Queue()
+        self.asms = {s.index: SampleAssembler(job, s, tokenizer, strings) for s in job.samples}
+        self._left = len(job.samples)     # tasks still running
+        self._open = len(job.samples)     # samples whose _DONE next() has not seen
+        self._cancelled = False
+        self._prefilled: set[int] = set()     # prompt indexes counted in prompt_tokens
+        self.client_gone = False
+        metrics.running.inc()
+        self._tasks = [asyncio.create_task(self._run(s)) for s in job.samples]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(a.num_tokens for a in self.asms.values())
+
+    def cancel(self) -> None:
+        """Abort every unfinished sample (idempotent, synchronous: safe in a cancelled scope)."""
+        if not self._cancelled:
+            self._cancelled = True
+            for t in self._tasks:
+                t.cancel()
+
+    def client_left(self) -> None:
+        self.client_gone = True
+        self.cancel()
+        self._q.put_nowait((None, _GONE))
+
+    async def next(self) -> tuple[Sample, Piece] | None:
+        """The next piece of any sample; None when all finished.
+
+        Raises: BackendError / ApiError of a failed sample (the others are then cancelled);
+        ClientGone after a disconnect.
+        """
+        while self._open:
+            if self.client_gone:
+                raise ClientGone()
+            s, item = await self._q.get()
+            if item is _GONE:
+                continue
+            if item is _DONE:
+                self._open -= 1
+                continue
+            if isinstance(item, Exception):
+                self.cancel()
+                raise item
+            return s, item
+        if self.client_gone:
+            raise ClientGone()
+        return None
+
+    async def _run(self, s: Sample) -> None:
+        asm, m = self.asms[s.index], self._m
+        it = self._backend.generate(GenRequest(s.request_id, self.job.prompts[s.prompt_index], s.params))
+        first = last = None
+        reason = "abort"
+        try:
+            async for ev in it:
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                    m.ttft.observe(now - self._arrival)
+                    if s.prompt_index not in self._prefilled:      # counted once it is prefilled
+                        self._prefilled.add(s.prompt_index)
+                        m.prompt_tokens.inc(len(self.job.prompts[s.prompt_index]))
+                    if ev.queue_time_s is not None:
+                        m.queue.observe(ev.queue_time_s)
+                else:
+                    m.itl.observe(now - last)
+                last = now
+                p = asm.feed(ev)
+                m.generation_tokens.inc(p.num_tokens)
+                self._q.put_nowait((s, p))
+                if asm.finished:
+                    break
+            if not asm.finished:                 # the stream ended without a final event
+                self._q.put_nowait((s, asm.abort()))
+            reason = asm.finish_reason
+            if first is not None:
+                e2e = time.monotonic() - self._arrival
+                m.e2e.observe(e2e)
+                if asm.num_tokens > 1:
+                    m.tpot.observe((e2e - (first - self._arrival)) / (asm.num_tokens - 1))
+        except BackendError as e:
+            reason = "error"
+            self._q.put_nowait((s, e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:          # a gateway bug: report it, keep serving
+            log.exception("sample %s failed", s.request_id)
+            reason = "error"
+            self._q.put_nowait((s, ApiError(f"internal error: {type(e).__name__}", 500)))
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()              # aborts the sample if it is unfinished
+                except Exception:
+                    log.exception("closing the stream of %s failed", s.request_id)
+            m.success(reason)
+            self._q.put_nowait((s, _DONE))
+            self._left -= 1
+            if self._left == 0:
+                m.running.dec()
+
+
+async def _watch_disconnect(request: Request, gen: Generation) -> None:
+    """Wait for ``http.disconnect`` (the body is already read) and abort ``gen``."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:      # the connection is gone in some other way
+        pass
+    gen.client_left()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: Job, gen: Generation, first: tuple[Sample, Piece], watcher: asyncio.Task):
+    """SSE body: first chunks (role / echo), one chunk per piece, usage chunk, ``[DONE]``."""
+    try:
+        for c in first_chunks(job):
+            yield _sse(c)
+        item = first
+        while item is not None:
+            c = piece_chunk(job, *item)
+            if c is not None:
+                yield _sse(c)
+            item = await gen.next()
+        if job.include_usage:
+            yield _sse(usage_chunk(job, gen.completion_tokens))
+        yield "data: [DONE]\n\n"
+    except ClientGone:
+        return
+    except (ApiError, BackendError) as e:
+        status = getattr(e, "status", 500)
+        yield _sse(error_body(str(e), status, getattr(e, "param", None)))
+        yield "data: [DONE]\n\n"
+    except Exception as e:
+        log.exception("stream of %s failed", job.id)
+        yield _sse(error_body(f"internal error: {type(e).__name__}", 500))
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        gen.cancel()
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def _param_of(loc: Sequence) -> str | None:
+    """pydantic ``loc`` -> field name (``messages[0].role``), skipping union member tags."""
+    parts = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
+    out = ""
+    for x in parts:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif isinstance(x, str) and x.isidentifier() and x.lower() not in _TYPE_TAGS:
+            out += f".{x}" if out else x
+        else:
+            break
+    return out or None
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    errs = exc.errors()
+    e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
+    if e.get("type") == "json_invalid":
+        return _error(400, f"request body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
+    param = _param_of(e.get("loc", ()))
+    return _error(400, f"{param or 'request body'}: {e['msg']}", param)
+
+
+# ---- the app ------------------------------------------------------------------------------------------
+def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128,
+               api_keys: Sequence[str] | None = None, metrics: GatewayMetrics | None = None,
+               manage_backend: bool = True) -> FastAPI:
+    """The gateway app.
+
+    Args:
+        backend: serves samples (``server.backend.Backend``).
+        tokenizer: ``engine.tokenizer.Tokenizer`` of the served model.
+        model_name: the served model name; a request's ``model`` must equal it (else 404).
+        max_n: most choices per request (``n`` x prompts).
+        api_keys: if given, /v1/* need ``Authorization: Bearer <key>`` (else 401).
+        metrics: the ``GatewayMetrics`` to record into (a new one by default; ``app.state.metrics``).
+        manage_backend: start the backend on startup and close it on shutdown.
+    """
+    metrics = metrics or GatewayMetrics(model_name)
+    strings = TokenStrings(tokenizer)
+    created = int(time.time())
+    keys = frozenset(api_keys or ())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_backend:
+            await backend.start()
+        try:
+            yield
+        finally:
+            if manage_backend:
+                await backend.close()
+
+    app = FastAPI(title="dsv4-pd gateway", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    async def auth(request: Request) -> None:
+        if keys:
+            h = request.headers.get("authorization", "")
+            if not (h.startswith("Bearer ") and h[7:] in keys):
+                raise ApiError("invalid or missing API key", 401)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return _error(e.status, e.message, e.param)
+
+    @app.exception_handler(BackendError)
+    async def _backend_error(_: Request, e: BackendError):
+        return _error(e.status, str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        return _validation_error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(e).__name__}")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ApiError(f"model: the model `{name}` does not exist (served: `{model_name}`)", 404, "model")
+
+    async def serve(job: Job, request: Request, arrival: float) -> Response:
+        gen = Generation(backend, job, tokenizer, strings, metrics, arrival)
+        watcher = asyncio.create_task(_watch_disconnect(request, gen))
+        handed_over = False
+        try:
+            if job.stream:
+                first = await gen.next()      # headers wait for token #1 or a refusal (keeps its status)
+                handed_over = True
+                return StreamingResponse(_stream(job, gen, first, watcher), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            results = [ChoiceResult() for _ in job.samples]
+            while (item := await gen.next()) is not None:
+                results[item[0].index].add(item[1])
+            return JSONResponse(full_response(job, results))
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                watcher.cancel()
+                gen.cancel()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        arrival = time.monotonic()
+        check_model(req.model)
+        job = await asyncio.to_thread(prepare_chat, req, tokenizer, model_name, backend.max_model_len, max_n)
+        return await serve(job, request, arrival)
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    async def completions(req: CompletionRequest, request: Request):
+        arrival = time.monotonic()
+        check_model(req.model)
+        job = await asyncio.to_thread(prepare_completion, req, tokenizer, model_name, backend.max_model_len, max_n)
+        return await serve(job, request, arrival)
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "dsv4-pd", "root": model_name, "parent": None,
+                                            "max_model_len": backend.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            h = await backend.health()
+        except Exception as e:
+            return JSONResponse({"healthy": False, "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        return JSONResponse(h, status_code=200 if h.get("healthy") else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,471 @@
+"""State transports (zmq-tcp, zmq-ipc, dist over gloo) on real sockets: exact bytes, order, the
+handshake refuses mismatches by name, garbage never kills a receiver, replies, many senders, close."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kvtransfer.dist_transport import transfer_plan
+from kvtransfer.transport import (REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch, make_receiver,
+                                  make_sender)
+from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
+
+KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
+REPO = Path(__file__).resolve().parents[1]
+FP = model_fingerprint({"name": "tiny-transport"}, torch.bfloat16, {"block_size": 16})
+LAYOUT = {"kv_dtype": "bfloat16", "block_size": 16, "parallel": {"tp": 1, "dp": 1}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Net:
+    """Creates receivers / senders for one test and closes them all at teardown."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.items = tmp_path, []
+
+    def rx(self, kind, fingerprint=FP, layout=LAYOUT, **kw):
+        if kind == "dist":
+            kw.setdefault("op_timeout_s", 20)
+            kw.setdefault("rendezvous_timeout_s", 5)
+        r = make_receiver(kind, "127.0.0.1", kw.pop("port", 0), fingerprint, layout, **kw)
+        self.items.append(r)
+        return r
+
+    def tx(self, kind, fingerprint=FP, layout=LAYOUT, sender_id="prefill-0", **kw):
+        if kind == "dist":
+            kw.setdefault("op_timeout_s", 20)
+        s = make_sender(kind, fingerprint, layout, sender_id, **kw)
+        self.items.append(s)
+        return s
+
+    def close(self):
+        for it in reversed(self.items):
+            it.close()
+
+
+@pytest.fixture
+def net(tmp_path):
+    n = Net(tmp_path)
+    yield n
+    n.close()
+
+
+def _tensors(seed: int, big: int = 0) -> dict[str, torch.Tensor]:
+    """Several dtypes incl. bfloat16 / fp8 and empty tensors; ``big`` adds a bf16 tensor of that many
+    elements (2 bytes each) so the dist transport also takes its one-op-per-frame path."""
+    g = torch.Generator().manual_seed(seed)
+    out = {
+        "layers.0.win_kv": torch.randn(7, 64, generator=g).bfloat16(),
+        "layers.0.cmp_kv": torch.randn(3, 64, generator=g).half(),
+        "layers.0.comp.kv": torch.randn(2, 32, generator=g),
+        "layers.0.comp.score": torch.empty(0, 32),
+        "layers.1.idx_kv": torch.randint(-128, 128, (5, 16), generator=g, dtype=torch.int8),
+        "layers.1.raw": torch.randint(0, 256, (9,), generator=g, dtype=torch.uint8),
+        "layers.1.fp8": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
+        "layers.1.empty_bf16": torch.empty(0, 128, dtype=torch.bfloat16),
+    }
+    if big:
+        out["layers.2.big"] = torch.randn(big, generator=g).bfloat16()
+    return out
+
+
+def _msg(tid: str, seed: int = 0, big: int = 0, empty: bool = False) -> list:
+    return encode_state(tid, FP, 100 + seed, seed, {} if empty else _tensors(seed, big))
+
+
+def _recv_n(rx, n: int, timeout: float = 30.0) -> list:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += rx.recv(0.5)
+    assert len(out) == n, f"got {len(out)} of {n} messages; stats {rx.stats}"
+    return out
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+def _tid(frames) -> str:
+    return msgpack.unpackb(bytes(frames[0]))["transfer_id"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_byte_exact(net, kind):
+    rx = net.rx(kind)
+    tx = net.tx(kind)
+    tx.connect(rx.address)
+    tx.connect(rx.address)   # idempotent
+    msgs = [_msg("t-small", 1), _msg("t-none", 2, empty=True), _msg("t-big", 3, big=1_500_000)]
+    sent = [tx.send(rx.address, m) for m in msgs]
+    assert sent == [sum(memoryview(f).nbytes for f in m) for m in msgs]
+    got = _recv_n(rx, 3)
+    for m, (peer, frames), seed in zip(msgs, got, (1, 2, 3)):
+        assert peer == "prefill-0"
+        assert [bytes(f) for f in frames] == [bytes(f) for f in m]
+        h, tensors = decode_state(frames, FP)
+        assert (h["num_tokens"], h["first_token"]) == (100 + seed, seed)
+        assert _same_tensors(tensors, {} if seed == 2 else _tensors(seed, 1_500_000 if seed == 3 else 0))
+    st = rx.stats
+    assert (st["messages"], st["bytes"], st["handshakes"], st["dropped_malformed"]) == (3, sum(sent), 1, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_messages_keep_their_order(net, kind):
+    rx, tx = net.rx(kind), net.tx(kind)
+    n = 120
+    for i in range(n):
+        tx.send(rx.address, _msg(f"t{i}", i % 5, big=600_000 if i % 17 == 0 else 0, empty=i % 7 == 0))
+    got = _recv_n(rx, n)
+    assert [_tid(f) for _, f in got] == [f"t{i}" for i in range(n)]
+    assert all(decode_state(f, FP) for _, f in got[:10])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_corrupted_frame_is_delivered_and_decode_refuses_it(net, kind):
+    rx, tx = net.rx(kind), net.tx(kind)
+    frames = [bytes(f) for f in _msg("t-bad", 4, big=700_000)]
+    bad = bytearray(frames[3])
+    bad[len(bad) // 2] ^= 0xFF
+    frames[3] = bytes(bad)
+    tx.send(rx.address, frames)
+    (_, got), = _recv_n(rx, 1)
+    assert [bytes(f) for f in got] == frames          # the transport does not hide it
+    with pytest.raises(TransferError, match="checksum"):
+        decode_state(got, FP)
+    assert rx.stats["dropped_malformed"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_handshake_refuses_another_fingerprint(net, kind):
+    rx = net.rx(kind)
+    tx = net.tx(kind, fingerprint="0" * 64)
+    with pytest.raises(TransportError, match="refused by the decode side: fingerprint differs: prefill runs model 0000"):
+        tx.connect(rx.address, timeout_s=5)
+    with pytest.raises(TransportError, match="fingerprint differs"):
+        tx.send(rx.address, _msg("t", 1))       # send handshakes too, and refuses again
+    assert rx.stats["refused"] == 2 and rx.stats["peers"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_handshake_refuses_another_layout_naming_the_key(net, kind):
+    rx = net.rx(kind)
+    other = {**LAYOUT, "kv_dtype": "float8_e4m3fn", "parallel": {"tp": 4, "dp": 1}}
+    tx = net.tx(kind, layout=other)
+    with pytest.raises(TransportError) as e:
+        tx.connect(rx.address, timeout_s=5)
+    msg = str(e.value)
+    assert "layout.kv_dtype differs: prefill has 'float8_e4m3fn', decode has 'bfloat16'" in msg
+    assert "layout.parallel.tp differs: prefill has 4, decode has 1" in msg
+    assert "fingerprint" not in msg and rx.stats["refused"] == 1
+
+
+def test_handshake_refuses_another_transport(net):
+    rx = net.rx("dist")
+    tx = net.tx("zmq-tcp")
+    with pytest.raises(TransportError, match="transport differs: prefill uses 'zmq', decode uses 'dist'"):
+        tx.connect(rx.address[len("dist+"):], timeout_s=5)
+    with pytest.raises(ValueError, match="expected tcp://"):
+        tx.connect(rx.address)
+
+
+def test_mismatch_reason_is_symmetric_and_none_when_equal():
+    a = {"transport": "zmq", "fingerprint": FP, "layout": LAYOUT}
+    assert handshake_mismatch(a, dict(a), "decode", "prefill") is None
+    b = {**a, "layout": {**LAYOUT, "extra": 1}}
+    assert handshake_mismatch(a, b, "decode", "prefill") == "layout.extra differs: prefill has 1, decode has None"
+
+
+@pytest.mark.parametrize("kind", ["zmq-tcp", "dist"])
+def test_connect_times_out_without_a_receiver(net, kind):
+    tx = net.tx(kind)
+    dest = ("dist+" if kind == "dist" else "") + f"tcp://127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="timed out after 0.5 s"):
+        tx.connect(dest, timeout_s=0.5)
+    assert time.monotonic() - t0 < 3
+
+
+def _raw_dealer(ctx, rx):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(rx.address.removeprefix("dist+"))
+    return s
+
+
+def _raw_recv(sock, timeout_s=5.0) -> dict:
+    assert sock.poll(int(timeout_s * 1000)), "no answer from the receiver"
+    tag, payload = sock.recv_multipart()
+    assert tag == TAG_CTL
+    return msgpack.unpackb(payload)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_garbage_never_crashes_the_receiver(net, kind):
+    rx = net.rx(kind)
+    ctx = zmq.Context()
+    raw = _raw_dealer(ctx, rx)
+    try:
+        rnd = torch.Generator().manual_seed(0)
+        junk = lambda n: bytes(torch.randint(0, 256, (n,), generator=rnd, dtype=torch.uint8).tolist())  # noqa: E731
+        for frames in ([junk(100)], [junk(3), junk(5000)], [b""], [b"XY", junk(10)], [TAG_MSG],
+                       [TAG_CTL, b"\xc1\xc1 not msgpack"], [TAG_CTL, msgpack.packb([1, 2, 3])],
+                       [TAG_CTL, msgpack.packb({"op": "welcome"})], [TAG_CTL, b"a", b"b"], [b""] * 1000):
+            raw.send_multipart(frames)
+        raw.send_multipart([TAG_CTL, msgpack.packb({"op": "hello", "v": 1, "nonce": "n1"})])   # malformed hello
+        assert _raw_recv(raw) == {"op": "refuse", "v": 1, "nonce": "n1",
+                                  "reason": "malformed hello (sender_id, nonce, fingerprint, layout)"}
+        raw.send_multipart([TAG_MSG, *_msg("t-sneaky", 1)])   # a real message, but no handshake
+        rej = _raw_recv(raw)
+        assert rej["op"] == REJECT_OP and rej["transfer_id"] == "t-sneaky" and "no handshake" in rej["reason"]
+    finally:
+        raw.close()
+        ctx.term()
+    tx = net.tx(kind)                      # the receiver still works
+    tx.send(rx.address, _msg("t-ok", 2))
+    (peer, frames), = _recv_n(rx, 1)
+    assert peer == "prefill-0" and _tid(frames) == "t-ok"
+    st = rx.stats
+    assert st["messages"] == 1 and st["dropped_malformed"] >= 9 and st["dropped_unknown_peer"] == 1
+    assert st["refused"] == 1
+
+
+@pytest.mark.parametrize("kind", ["zmq-tcp", "zmq-ipc"])
+def test_malformed_messages_after_handshake_are_dropped_and_rejected(net, kind):
+    rx = net.rx(kind, max_frames=16, max_message_bytes=1 << 20)
+    ctx = zmq.Context()
+    raw = _raw_dealer(ctx, rx)
+    try:
+        hello = {"op": "hello", "v": 1, "sender_id": "raw", "nonce": "n2", "fingerprint": FP, "layout": LAYOUT,
+                 "transport": "zmq"}
+        raw.send_multipart([TAG_CTL, msgpack.packb(hello)])
+        w = _raw_recv(raw)
+        assert w["op"] == "welcome" and w["limits"] == {"max_frames": 16, "max_message_bytes": 1 << 20}
+        good = [bytes(f) for f in _msg("t-good", 1)]
+        bad = {
+            "frame count": good[:-1],
+            "frame size": [*good[:-1], good[-1] + b"x"],
+            "header": [b"\x92garbage", *good[1:]],
+            "too many frames": [encode_state("t-many", FP, 1, 1, {f"x{i}": torch.zeros(1) for i in range(20)})[0],
+                                *[b"\0\0\0\0"] * 20],
+            "too big": encode_state("t-huge", FP, 1, 1, {f"x{i}": torch.zeros(100_000) for i in range(3)}),
+        }   # (a single frame over max_message_bytes never gets this far: ZMQ drops that connection)
+        for frames in bad.values():
+            raw.send_multipart([TAG_MSG, *frames])
+            rej = _raw_recv(raw)
+            assert rej["op"] == REJECT_OP and rej["reason"].startswith("dropped: ")
+        raw.send_multipart([TAG_MSG, *good])
+        (peer, frames), = _recv_n(rx, 1)
+        assert peer == "raw" and [bytes(f) for f in frames] == good
+    finally:
+        raw.close()
+        ctx.term()
+    assert rx.stats["dropped_malformed"] == len(bad) and rx.stats["messages"] == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_checks_messages_before_sending(net, kind):
+    rx = net.rx(kind, max_message_bytes=1 << 20)
+    tx = net.tx(kind)
+    good = _msg("t", 1)
+    with pytest.raises(TransferError, match="tensor frames for"):
+        tx.send(rx.address, good[:-1])
+    with pytest.raises(TransferError, match="frame has"):
+        tx.send(rx.address, [*good[:-1], b"\0"])
+    with pytest.raises(TransferError, match="header"):
+        tx.send(rx.address, [b"nope", *good[1:]])
+    with pytest.raises(TransferError, match="exceed 1048576"):   # the receiver's announced limit
+        tx.send(rx.address, encode_state("t-huge", FP, 1, 1, {"x": torch.zeros(1 << 19)}))
+    tx.send(rx.address, good)
+    assert len(_recv_n(rx, 1)) == 1 and rx.stats["dropped_malformed"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reply_and_poll_replies_round_trip(net, kind):
+    rx, tx = net.rx(kind), net.tx(kind)
+    assert tx.poll_replies() == []
+    tx.send(rx.address, _msg("t-1", 1))
+    (peer, _), = _recv_n(rx, 1)
+    ack = {"op": "ack", "transfer_id": "t-1", "n": [1, 2], "blob": b"\x00\x01"}
+    rx.reply(peer, ack)
+    assert tx.poll_replies(timeout_s=5) == [(rx.address, ack)]
+    with pytest.raises(TransportError, match="unknown peer 'nobody'"):
+        rx.reply("nobody", ack)
+
+    def many(k):   # reply() is thread-safe
+        for i in range(25):
+            rx.reply(peer, {"op": "ack", "k": k, "i": i})
+    threads = [threading.Thread(target=many, args=(k,)) for k in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    got, deadline = [], time.monotonic() + 10
+    while len(got) < 100 and time.monotonic() < deadline:
+        got += tx.poll_replies(timeout_s=0.5)
+    assert len(got) == 100
+    for k in range(4):
+        assert [m["i"] for _, m in got if m["k"] == k] == list(range(25))
+    assert rx.stats["replies"] == 101
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_senders_into_one_receiver(net, kind):
+    rx = net.rx(kind)
+    txs = [net.tx(kind, sender_id=f"prefill-{c}") for c in "ab"]
+    n = 30
+
+    def push(tx, c):
+        for i in range(n):
+            tx.send(rx.address, _msg(f"{c}{i}", i % 3, big=400_000 if i % 10 == 0 else 0))
+    threads = [threading.Thread(target=push, args=(tx, c)) for tx, c in zip(txs, "ab")]
+    [t.start() for t in threads]
+    got = _recv_n(rx, 2 * n)
+    [t.join() for t in threads]
+    for c in "ab":
+        assert [_tid(f) for p, f in got if p == f"prefill-{c}"] == [f"{c}{i}" for i in range(n)]
+    assert rx.stats["peers"] == 2
+    for c in "ab":
+        rx.reply(f"prefill-{c}", {"op": "ack", "to": c})
+    for tx, c in zip(txs, "ab"):
+        assert tx.poll_replies(timeout_s=5) == [(rx.address, {"op": "ack", "to": c})]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_releases_the_address(net, kind, tmp_path):
+    kw = {"port": _free_port()}
+    if kind == "dist":
+        kw["store_port"] = _free_port()
+    if kind == "zmq-ipc":
+        kw["ipc_path"] = str(tmp_path / "rx.sock")
+    for round_ in range(2):
+        rx = make_receiver(kind, "127.0.0.1", fingerprint=FP, layout=LAYOUT, **kw)
+        tx = make_sender(kind, FP, LAYOUT, f"p{round_}")
+        try:
+            tx.send(rx.address, _msg(f"t{round_}", round_, big=round_ * 600_000))
+            tx.close()                      # says bye: the message under way still arrives
+            (_, frames), = _recv_n(rx, 1)
+            assert _tid(frames) == f"t{round_}"
+            deadline = time.monotonic() + 5
+            while rx.stats["peers"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert rx.stats["peers"] == 0
+        finally:
+            tx.close()
+            rx.close()
+            rx.close()   # idempotent
+    if kind == "zmq-ipc":
+        assert not os.path.exists(kw["ipc_path"])
+    with pytest.raises(TransportError, match="closed"):
+        rx.reply("p1", {})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_survives_a_receiver_restart(net, kind, tmp_path):
+    kw = {"port": _free_port()}
+    if kind == "dist":
+        kw["store_port"] = _free_port()
+    if kind == "zmq-ipc":
+        kw["ipc_path"] = str(tmp_path / "rx.sock")
+    rx1 = net.rx(kind, **kw)
+    tx = net.tx(kind)
+    tx.send(rx1.address, _msg("t0", 0))
+    _recv_n(rx1, 1)
+    rx1.close()
+    rx2 = net.rx(kind, **kw)
+    assert rx2.address == rx1.address
+    try:   # the old connection is gone: either the send fails, or the new receiver rejects it
+        tx.send(rx2.address, _msg("t-lost", 1))
+    except TransportError:
+        pass
+    else:
+        got, deadline = [], time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = tx.poll_replies(timeout_s=0.5)
+        assert got and got[0][1]["op"] == REJECT_OP and got[0][1]["transfer_id"] == "t-lost"
+    tx.send(rx2.address, _msg("t2", 2))   # handshakes again
+    (_, frames), = _recv_n(rx2, 1)
+    assert _tid(frames) == "t2"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receiver_stops_reading_while_the_decode_loop_is_behind(net, kind):
+    rx = net.rx(kind, max_pending_bytes=1)
+    tx = net.tx(kind)
+    n = 8
+    th = threading.Thread(target=lambda: [tx.send(rx.address, _msg(f"t{i}", i)) for i in range(n)])
+    th.start()
+    time.sleep(0.5)
+    assert rx.stats["messages"] == 1          # one delivered, then the socket is not read
+    got = _recv_n(rx, n)
+    th.join(10)
+    assert [_tid(f) for _, f in got] == [f"t{i}" for i in range(n)]
+
+
+def test_dist_control_can_run_over_ipc(net, tmp_path):
+    rx = net.rx("dist", ipc_path=str(tmp_path / "ctl.sock"))
+    assert rx.address == f"dist+ipc://{tmp_path / 'ctl.sock'}"
+    tx = net.tx("dist")
+    m = _msg("t-ipc", 5, big=600_000)
+    tx.send(rx.address, m)
+    (_, frames), = _recv_n(rx, 1)
+    assert [bytes(f) for f in frames] == [bytes(f) for f in m]
+
+
+def test_transfer_plan_packs_small_frames_first():
+    assert transfer_plan([10, 0, 5 << 20, 3, 1 << 20], 1 << 20) == [[0, 3], [2], [4]]
+    assert transfer_plan([0, 0], 1 << 20) == []
+    assert transfer_plan([7], 0) == [[0]]
+
+
+_CHILD = r"""
+import sys, time, torch
+sys.path.insert(0, sys.argv[4])
+from kvtransfer.transport import make_sender
+from tests.test_transport import FP, LAYOUT, _msg
+kind, dest, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tx = make_sender(kind, FP, LAYOUT, "child-prefill")
+total = sum(tx.send(dest, _msg(f"c{i}", i, big=300_000 * (i % 2))) for i in range(n))
+replies, deadline = [], time.monotonic() + 30
+while not replies and time.monotonic() < deadline:
+    replies = tx.poll_replies(timeout_s=0.5)
+tx.close()
+print("OK", total, replies[0][1]["op"] if replies else None, flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_in_another_process(net, kind):
+    rx = net.rx(kind)
+    n = 6
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, kind, rx.address, str(n), str(REPO)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        got = _recv_n(rx, n, timeout=60)
+        for i, (peer, frames) in enumerate(got):
+            assert peer == "child-prefill"
+            h, tensors = decode_state(frames, FP)
+            assert h["transfer_id"] == f"c{i}" and _same_tensors(tensors, _tensors(i, 300_000 * (i % 2)))
+        rx.reply("child-prefill", {"op": "done"})
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert out.split() == ["OK", str(rx.stats["bytes"]), "done"]
