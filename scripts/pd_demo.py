@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,25 +15,22 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from server.launcher import LocalPD, log_tail  # noqa: E402
+
 WATCH = ("dsv4:prompt_tokens_total", "dsv4:generation_tokens_total", "dsv4:request_success_total",
          "dsv4:time_to_first_token_seconds_count", "dsv4:time_to_first_token_seconds_sum",
          "dsv4:inter_token_latency_seconds_count", "dsv4:e2e_request_latency_seconds_sum",
          "dsv4:kv_transfer_bytes_total", "dsv4:kv_transfer_latency_seconds_sum", "dsv4:kv_transfer_failures_total")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scrape(url: str) -> dict[str, float]:
     """``name{labels}`` -> value for the watched series (0 where absent)."""
     out = {}
     for line in httpx.get(url, timeout=10).text.splitlines():
-        m = re.match(r"^([a-z_:]+)(\{[^}]*\})? (\S+)$", line)
+        m = re.match(r"^([a-z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
         if m and m.group(1) in WATCH:
-            labels = re.sub(r'(model_name|role)="[^"]*",?', "", m.group(2) or "").replace("{}", "")
+            labels = re.sub(r'(model_name|role)="[^"]*",?', "", m.group(2) or "").replace(",}", "}").replace("{}", "")
             out[m.group(1) + labels] = float(m.group(3))
     return out
 
@@ -52,41 +47,17 @@ def main() -> int:
         print(f"pd_demo: --model {a.model}: no checkpoint (run dsv4-make-tiny first)", file=sys.stderr)
         return 2
     Path(a.log).parent.mkdir(parents=True, exist_ok=True)
-    log = open(a.log, "w")
-    ports = {k: free_port() for k in ("p_zmq", "p_http", "d_zmq", "d_state", "d_http", "gateway")}
-    launch = [sys.executable, "-m", "server.cli", "--config", a.config, "--model", a.model]
-    cmds = {
-        "prefill": launch + ["--role", "prefill", "--port", str(ports["p_zmq"]), "--http-port", str(ports["p_http"])],
-        "decode": launch + ["--role", "decode", "--port", str(ports["d_zmq"]), "--state-port",
-                            str(ports["d_state"]), "--http-port", str(ports["d_http"])],
-        "gateway": launch + ["--role", "gateway", "--port", str(ports["gateway"]),
-                             "--prefill-addrs", f"127.0.0.1:{ports['p_zmq']}",
-                             "--decode-addrs", f"127.0.0.1:{ports['d_zmq']}"],
-    }
-    procs = {name: subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT) for name, cmd in cmds.items()}
-    base = f"http://127.0.0.1:{ports['gateway']}"
-    metrics_urls = {"gateway": base + "/metrics", "prefill": f"http://127.0.0.1:{ports['p_http']}/metrics",
-                    "decode": f"http://127.0.0.1:{ports['d_http']}/metrics"}
+    pd = LocalPD(a.config, a.model, log_path=a.log)
+    print(f"starting a prefill worker, a decode worker and the gateway (log: {a.log}) ...", flush=True)
+    t0 = time.monotonic()
     try:
-        t0 = time.monotonic()
-        print(f"starting prefill, decode and gateway (log: {a.log}) ...", flush=True)
-        while True:
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead:
-                log.flush()
-                print(f"pd_demo: the {dead[0]} process exited; last log lines:\n" +
-                      "".join(open(a.log).readlines()[-20:]), file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 600:
-                print("pd_demo: the gateway did not become healthy within 600 s", file=sys.stderr)
-                return 1
-            time.sleep(0.3)
-        print(f"ready in {time.monotonic() - t0:.1f} s: gateway {base}/v1\n", flush=True)
+        pd.start(timeout_s=600)
+    except RuntimeError as e:
+        print(f"pd_demo: {e}\n{log_tail(a.log)}", file=sys.stderr)
+        return 1
+    base, metrics_urls = pd.base_url, pd.metrics_urls
+    try:
+        print(f"ready in {time.monotonic() - t0:.1f} s: OpenAI API at {base}/v1\n", flush=True)
         before = {n: scrape(u) for n, u in metrics_urls.items()}
         client = OpenAI(base_url=base + "/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -114,14 +85,7 @@ def main() -> int:
                     print(f"  {n:8s} {k:75s} {before[n].get(k, 0.0):>10.4g} -> {after[n][k]:.4g}")
         return 0
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
+        pd.stop()
 
 
 if __name__ == "__main__":
