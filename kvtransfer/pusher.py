@@ -76,12 +76,13 @@ class Pusher:
             while not self._stop.is_set():
                 waiting = any(t.deadline is not None for t in track.values())
                 try:
-                    job = self._jobs.get(timeout=0.001 if waiting else 0.02)
+                    job = self._jobs.get_nowait() if waiting else self._jobs.get(timeout=0.02)
                 except queue.Empty:
                     job = None
                 if job is not None:
                     self._send(sender, job, track, dead)
-                for _dest, msg in sender.poll_replies(0.0):
+                # waiting for acks with nothing to send: block in zmq (GIL released), not spin
+                for _dest, msg in sender.poll_replies(0.002 if waiting and job is None else 0.0):
                     self._reply(msg, track)
                 now = time.monotonic()
                 for tid, t in list(track.items()):
@@ -112,6 +113,8 @@ class Pusher:
         elif kind == "cancel":
             track.pop(tid, None)
             dead.add(tid)
+        if len(dead) > 100_000:          # ids are never reused: forgetting old ones is safe
+            dead.clear()
 
     def _reply(self, msg: dict, track: dict) -> None:
         tid = msg.get("transfer_id")

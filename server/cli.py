@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 
 
@@ -26,12 +27,18 @@ ROLES = ("prefill", "decode", "gateway", "local")
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "dist")
 
 
+def _die(message: str) -> NoReturn:
+    """A usage error: the message names the flag / key / variable; exit status 2 (as argparse)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _env_int(name: str, default: int) -> int:
     v = os.environ.get(name)
     if v is None or v == "":
         return default
     if not v.isdigit():
-        raise SystemExit(f"launch-pd: environment {name}={v!r} is not a port number")
+        _die(f"launch-pd: environment {name}={v!r} is not a port number")
     return int(v)
 
 
@@ -46,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-port", type=int, help="decode: state receiver port")
     p.add_argument("--transport", default=os.environ.get("DSV4_TRANSPORT", "zmq-tcp"), choices=TRANSPORTS)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (npu: issue 6)")
+    p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
+                   "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
     p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
     p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name)")
@@ -58,11 +67,11 @@ def _load_config(args):
     from engine.config import ConfigError
     from engine.run_config import RunConfig
     if not args.config:
-        raise SystemExit(f"launch-pd: --config is required for --role {args.role}")
+        _die(f"launch-pd: --config is required for --role {args.role}")
     try:
         return RunConfig.from_yaml(args.config)
     except ConfigError as e:
-        raise SystemExit(f"launch-pd: {args.config}: {e}") from None
+        _die(f"launch-pd: {args.config}: {e}")
 
 
 def _device(name: str) -> str:
@@ -89,10 +98,15 @@ def run_worker(args) -> int:
         http_port=args.http_port if args.http_port is not None else
         _env_int("PREFILL_HTTP_PORT" if prefill else "DECODE_HTTP_PORT", 8001 if prefill else 8100),
         state_port=args.state_port or _env_int("DECODE_STATE_PORT", 5558))
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")
+        import torch
+        torch.set_num_threads(args.cpu_threads)
     try:
         engine = build_engine(cfg, args.model, device=_device(args.device), progress=False)
     except (ConfigError, CheckpointError) as e:
-        raise SystemExit(f"launch-pd: {e}") from None
+        _die(f"launch-pd: {e}")
     if prefill:
         from server.prefill import PrefillWorker as W
     else:
@@ -100,7 +114,7 @@ def run_worker(args) -> int:
     try:
         worker = W(engine, opts)
     except Exception as e:     # zmq bind errors: address in use / not available
-        raise SystemExit(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}") from None
+        _die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())
     worker.start_http()
@@ -123,14 +137,14 @@ def run_gateway(args) -> int:
     cfg = _load_config(args) if args.config else None
     model_dir = args.model or (cfg.model_config.model_path if cfg else None)
     if not model_dir or not Path(model_dir).is_dir():
-        raise SystemExit("launch-pd: --model: the gateway needs the checkpoint directory (tokenizer, config)")
+        _die("launch-pd: --model: the gateway needs the checkpoint directory (tokenizer, config)")
     try:
         pre = parse_addrs(args.prefill_addrs or os.environ.get("PREFILL_IPS") or "127.0.0.1",
                           _env_int("PREFILL_ZMQ_PORT", 5555))
         dec = parse_addrs(args.decode_addrs or os.environ.get("DECODE_IPS") or "127.0.0.1",
                           _env_int("DECODE_ZMQ_PORT", 5557))
     except ValueError as e:
-        raise SystemExit(f"launch-pd: --prefill-addrs / --decode-addrs: {e}") from None
+        _die(f"launch-pd: --prefill-addrs / --decode-addrs: {e}")
     tokenizer = Tokenizer(model_dir)
     backend = PDBackend(pre, dec, lease_s=args.lease_s)
     app = create_app(backend, tokenizer, _model_name(args, cfg))
@@ -157,7 +171,7 @@ def run_local(args) -> int:
     try:
         pd.start()
     except RuntimeError as e:
-        raise SystemExit(f"launch-pd --role local: {e}") from None
+        _die(f"launch-pd --role local: {e}")
     log.info("local P/D ready: OpenAI API at %s/v1, metrics %s; Ctrl-C stops", pd.base_url,
              ", ".join(pd.metrics_urls.values()))
     rc = 0
@@ -179,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("port", "http_port", "state_port"):
         v = getattr(args, name)
         if v is not None and not 0 <= v < 65536:
-            raise SystemExit(f"launch-pd: --{name.replace('_', '-')}: {v} is not a port number")
+            _die(f"launch-pd: --{name.replace('_', '-')}: {v} is not a port number")
     if args.role in ("prefill", "decode"):
         return run_worker(args)
     if args.role == "gateway":

@@ -5,6 +5,7 @@ benchmark start: real ``launch-pd`` processes, each instance on its own ports.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -34,7 +35,12 @@ class LocalPD:
         self.host = host
         launch = [sys.executable, "-m", "server.cli", "--config", config, "--model", model, "--host", host,
                   "--transport", transport]
-        extra = extra_args or {}
+        extra = {k: list(v) for k, v in (extra_args or {}).items()}
+        # workers share this machine's cores (oversubscribed OpenMP threads spin and stall each other)
+        threads = str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode)))
+        for role in ("prefill", "decode"):
+            if "--cpu-threads" not in extra.get(role, []):
+                extra.setdefault(role, []).extend(["--cpu-threads", threads])
         self.cmds: dict[str, list[str]] = {}
         self.metrics_urls: dict[str, str] = {}
         self.ready_urls: dict[str, str] = {}

@@ -4,8 +4,9 @@ Per sample: the least-loaded healthy decode instance reserves state (``reserve``
 least-loaded healthy prefill instance prefills with the reservation as destination
 (``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
 (client gone, stop string) aborts both legs. Instances are pinged every ``health_interval_s``;
-one that has not answered for ``health_timeout_s`` (or says it is not ready) gets no new samples.
-Workers answer between engine steps, so the timeout must exceed the longest step (a long prefill).
+one that has left ``health_timeout_s / health_interval_s`` pings unanswered (or says it is not
+ready) gets no new samples. Workers answer between engine steps, so the timeout must exceed the
+longest step (a long prefill).
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ class Instance:
     addr: str
     sock: zmq.asyncio.Socket
     load: dict = field(default_factory=dict)
-    last_pong: float = 0.0
-    inflight: int = 0                 # samples this gateway has on it
+    unanswered: int = 1 << 30         # pings sent since its last message (counted by the pinger, so a
+    inflight: int = 0                 # busy gateway loop cannot make a live instance look stale)
 
-    def healthy(self, timeout_s: float) -> bool:
-        return bool(self.load.get("ready")) and time.monotonic() - self.last_pong < timeout_s
+    def healthy(self, max_unanswered: int) -> bool:
+        return bool(self.load.get("ready")) and self.unanswered <= max_unanswered
 
     def score(self) -> float:
         ld = self.load
@@ -76,6 +77,7 @@ class PDBackend:
         self.lease_s, self.queue_timeout_s = lease_s, queue_timeout_s
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
         self._streams: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
         self._ready = asyncio.Event()
@@ -118,7 +120,7 @@ class PDBackend:
         self.ctx.term()
 
     async def health(self) -> dict:
-        h = {r: [i.addr for i in self.instances if i.role == r and i.healthy(self.health_timeout_s)]
+        h = {r: [i.addr for i in self.instances if i.role == r and i.healthy(self._max_unanswered)]
              for r in ("prefill", "decode")}
         return {"healthy": bool(h["prefill"] and h["decode"]), "healthy_prefill": h["prefill"],
                 "healthy_decode": h["decode"]}
@@ -128,6 +130,11 @@ class PDBackend:
         ping = pack({"op": "ping"})
         while True:
             for inst in self.instances:
+                was = inst.healthy(self._max_unanswered)
+                inst.unanswered = min(inst.unanswered + 1, 1 << 30)
+                if was and not inst.healthy(self._max_unanswered):
+                    log.warning("gateway: %s %s left %d pings unanswered: no new samples until it answers",
+                                inst.role, inst.addr, inst.unanswered - 1)
                 with contextlib.suppress(zmq.Again, zmq.ZMQError):
                     await inst.sock.send(ping, zmq.NOBLOCK)
             await asyncio.sleep(self.health_interval_s)
@@ -141,7 +148,7 @@ class PDBackend:
                 log.warning("gateway: bad message from %s %s: %s", inst.role, inst.addr, e)
                 continue
             op = msg["op"]
-            inst.last_pong = time.monotonic()       # any message: the loop is alive (pings wait for a step)
+            inst.unanswered = 0                     # any message: its loop is alive (pings wait for a step)
             if op == "pong":
                 inst.load = msg
             elif op == "out":
@@ -156,7 +163,7 @@ class PDBackend:
 
     # ---- a sample ------------------------------------------------------------------------------
     def _pick(self, role: str) -> Instance | None:
-        ok = [i for i in self.instances if i.role == role and i.healthy(self.health_timeout_s)]
+        ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)]
         return min(ok, key=Instance.score) if ok else None
 
     async def _send(self, inst: Instance, msg: dict) -> None:
@@ -192,9 +199,10 @@ class PDBackend:
             op, msg = await self._get(q, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)")
             if op != "reserved":
                 raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
-            pre = self._pick("prefill")    # chosen now: the least loaded when the state has a place
-            if pre is None:
+            picked = self._pick("prefill")    # chosen now: the least loaded when the state has a place
+            if picked is None:
                 raise BackendError("no healthy prefill instance", 503)
+            pre = picked
             legs.append(pre)
             pre.inflight += 1
             await self._send(pre, {"op": "prefill", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,

@@ -156,7 +156,7 @@ class _Gateway:
         self.sock.close(0)
 
 
-@pytest.mark.parametrize("transport", ["zmq-tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference, transport):
     pd = PD(ckpt, transport, lease_s=1.0)
     gw = _Gateway(pd.decode.opts.port)

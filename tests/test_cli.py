@@ -1,0 +1,98 @@
+"""``launch-pd`` as a user runs it: bad flags and configs exit 2 naming them; ``--role local``
+serves a request, and SIGTERM stops all three processes with status 0."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server.launcher import free_port
+
+LAUNCH = [sys.executable, "-m", "server.cli"]
+
+
+def _children(pid: int) -> list[int]:
+    """Live child pids of ``pid`` (from /proc: field 4 of /proc/N/stat is the parent)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def _run(args, **kw):
+    return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--role", "prefill"], "--config is required"),
+    (["--role", "decode", "--config", "configs/tiny-flash.yaml", "--port", "70000"], "--port"),
+    (["--role", "prefill", "--config", "configs/nope.yaml"], "nope.yaml"),
+    (["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--model", "/nonexistent"], "model_path"),
+    (["--role", "gateway", "--model", "/nonexistent"], "--model"),
+    (["--role", "gateway", "--model", ".", "--prefill-addrs", "host:notaport"], "--prefill-addrs"),
+    (["--role", "router"], "--role"),
+    (["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--transport", "rdma"], "--transport"),
+])
+def test_bad_flags_exit_2_naming_them(args, needle):
+    r = _run(args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_config_key_exits_2_naming_it(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open("configs/tiny-flash.yaml").read().replace("block_size: 128", "block_sise: 128"))
+    r = _run(["--role", "decode", "--config", str(bad)])
+    assert r.returncode == 2 and "scheduler_config.block_sise" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_port_in_use_exits_2(tiny_ckpt):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run(["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--model", str(tiny_ckpt("flash", 1)),
+                  "--port", str(port), "--http-port", "0"])
+    assert r.returncode == 2 and "cannot start the prefill worker" in r.stderr
+
+
+def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
+    port = free_port()
+    p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
+                                   str(tiny_ckpt("flash", 1)), "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 300
+        while time.monotonic() < end:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.3)
+        r = httpx.post(url + "/v1/completions", json={"model": "deepseek_v4", "prompt": "Hello", "max_tokens": 4,
+                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        children = _children(p.pid)
+        assert len(children) == 3
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        assert not [c for c in children if Path(f"/proc/{c}").exists()]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
