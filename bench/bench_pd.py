@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -66,11 +67,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--transport", default="zmq-tcp")
+    ap.add_argument("--cpu-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                    help="torch threads of each worker and of the in-process engine (same compute on both sides)")
     a = ap.parse_args()
+    torch.set_num_threads(a.cpu_threads)
     engine = build_engine(RunConfig.from_yaml(a.config), a.model, progress=False)
     Path("bench/out").mkdir(parents=True, exist_ok=True)
     log = "bench/out/bench_pd.log"
-    pd = LocalPD(a.config, a.model, transport=a.transport, log_path=log)
+    threads = ["--cpu-threads", str(a.cpu_threads)]
+    pd = LocalPD(a.config, a.model, transport=a.transport, log_path=log,
+                 extra_args={"prefill": threads, "decode": threads})
     try:
         pd.start(timeout_s=600)
     except RuntimeError as e:
@@ -97,7 +103,7 @@ def main() -> int:
     finally:
         pd.stop()
     print(f"\nP/D path vs in-process engine, tiny flash, {a.transport}, greedy, {a.max_tokens} tokens, "
-          f"median of {a.reps} (one request at a time)\n")
+          f"median of {a.reps} (one request at a time), {a.cpu_threads} torch thread(s) each\n")
     print("| prompt | state bytes | TTFT in-process | TTFT P/D | overhead | ITL in-process | ITL P/D | overhead |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

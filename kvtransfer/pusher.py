@@ -52,8 +52,10 @@ class Pusher:
         self._thread = threading.Thread(target=self._run, name="kv-pusher", daemon=True)
         self._thread.start()
 
-    def put(self, kind: str, transfer_id: str, dest: str, frames: list) -> None:
-        """kind: layer | commit | cancel | state (``state`` = whole state + commit in one)."""
+    def put(self, kind: str, transfer_id: str, dest: str, frames: list | Callable[[], list]) -> None:
+        """kind: layer | commit | cancel | state (``state`` = whole state + commit in one).
+        ``frames`` may be a callable that builds them (encoding and checksums then run on this
+        thread, off the engine loop)."""
         self._jobs.put((kind, transfer_id, dest, frames))
 
     def results(self) -> list[Result]:
@@ -99,11 +101,13 @@ class Pusher:
             return
         t = track.setdefault(tid, _Track(time.monotonic()))
         try:
-            t.nbytes += sender.send(dest, frames)
-        except TransportError as e:
+            t.nbytes += sender.send(dest, frames() if callable(frames) else frames)
+        except Exception as e:      # TransportError, TransferError, or a bug: fail this transfer, keep going
+            if not isinstance(e, TransportError):
+                log.exception("transfer %s: sending failed", tid)
             dead.add(tid)
             track.pop(tid, None)
-            msg = str(e)
+            msg = f"{type(e).__name__}: {e}"
             cause = "handshake" if any(w in msg for w in ("refuse", "fingerprint", "layout", "handshake")) else "send"
             if kind != "cancel":
                 self._results.put(Result("failed", tid, t.nbytes, time.monotonic() - t.t0, cause, msg))

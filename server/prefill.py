@@ -89,8 +89,9 @@ class PrefillWorker(Worker):
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            tensors = state_tensors(self.engine.cache, rid, L, [layer])
-            self.pusher.put("layer", rid, job.dest, encode_layer(rid, self.fingerprint, L, layer, tensors))
+            tensors = state_tensors(self.engine.cache, rid, L, [layer])     # copies: safe to send later
+            self.pusher.put("layer", rid, job.dest,
+                            lambda t=tensors, r=rid, n=L, ly=layer: encode_layer(r, self.fingerprint, n, ly, t))
             job.sent_layers = True
 
     def on_outputs(self, outs: list[RequestOutput]) -> None:
