@@ -24,7 +24,7 @@ Usage: $0 --mode online|offline [--model NAME|DIR] [--pd-role prefill|decode|gat
   --p-yaml-name FILE prefill run config (default deepseek-v4-flash-a3-prefill.yaml)
   --d-yaml-name FILE decode run config (default deepseek-v4-flash-a3-decode.yaml)
                      FILE: a path, or a name under configs/
-  --engine-backend X accepted for compatibility and ignored (set DSV4_TRANSPORT=zmq|dist)
+  --engine-backend X accepted for compatibility and ignored (set DSV4_TRANSPORT=zmq-tcp|zmq-ipc|dist)
   --out FILE         offline output JSONL (default out/offline-<yaml>.jsonl)
   --dry-run          print the command(s) instead of running them
 Environment: deploy/set_env.sh (or DSV4_ENV_FILE); DSV4_LOCAL_IP overrides \`hostname -I\`;
@@ -52,7 +52,7 @@ while [[ $# -gt 0 ]]; do
         --p-yaml-name|--p_yaml_name) P_YAML_NAME=$2 ;;
         --d-yaml-name|--d_yaml_name) D_YAML_NAME=$2 ;;
         --engine-backend|--engine_backend)
-            warn "--engine-backend '$2' ignored: dsv4-pd has its own transports (DSV4_TRANSPORT=zmq|dist)" ;;
+            warn "--engine-backend '$2' ignored: dsv4-pd has its own transports (DSV4_TRANSPORT=zmq-tcp|zmq-ipc|dist)" ;;
         --out) OUT=$2 ;;
     esac
     shift 2
@@ -221,7 +221,7 @@ bind_host() {   # HOST-ENTRY -> address to bind: DSV4_BIND_HOST, else the node's
     elif [[ -z $1 ]] || is_loopback "$1"; then echo 127.0.0.1
     else echo "$1"; fi
 }
-TRANSPORT_ARGS=(--transport "${DSV4_TRANSPORT:-zmq}")
+TRANSPORT_ARGS=(--transport "${DSV4_TRANSPORT:-zmq-tcp}")
 LAUNCH=$(tool launch-pd)
 gateway_cmd() {
     local host=""

@@ -26,7 +26,7 @@ export DECODE_HCCL_BASE_PORT="${DECODE_HCCL_BASE_PORT:-23556}"
 # Bind address of the workers / gateway. Unset: loopback on one host, the node's own entry in
 # PREFILL_IPS / DECODE_IPS on a multi-node setup (infer.sh decides). Never exported empty.
 [[ -z "${DSV4_BIND_HOST:-}" ]] || export DSV4_BIND_HOST
-export DSV4_TRANSPORT="${DSV4_TRANSPORT:-zmq}"          # state transfer: zmq | dist (HCCL/NCCL/gloo p2p)
+export DSV4_TRANSPORT="${DSV4_TRANSPORT:-zmq-tcp}"          # state transfer: zmq | dist (HCCL/NCCL/gloo p2p)
 
 # ---- CANN toolkit (only where installed) -----------------------------------------------------
 CANN_PATH="${CANN_PATH:-/usr/local/Ascend/ascend-toolkit/latest}"

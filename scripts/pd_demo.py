@@ -36,7 +36,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/tiny-flash")
     ap.add_argument("--config", default="configs/tiny-flash.yaml")
     ap.add_argument("--prompt", default="Write one sentence about the sea.")

@@ -58,7 +58,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
     p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
     p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name)")
-    p.add_argument("--lease-s", type=float, default=60.0, help="decode reservation lease (s)")
+    p.add_argument("--lease-s", type=float, default=60.0, help="decode reservation lease (s), in (0, 3600]")
+    p.add_argument("--advertise-host", default=os.environ.get("DSV4_ADVERTISE_HOST"),
+                   help="decode: host prefill workers reach the state port at (default: --host, or this "
+                        "machine's address when --host is a wildcard)")
     p.add_argument("--log-level", default=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     return p
 
@@ -81,6 +84,19 @@ def _device(name: str) -> str:
     return name
 
 
+def _advertised(host: str) -> str:
+    """The address peers use for a socket bound to ``host`` (a wildcard is not reachable)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))      # no packet is sent: picks the outbound interface
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
 def _model_name(args, cfg) -> str:
     return args.served_model_name or (cfg.model_config.model_name if cfg is not None else "deepseek-v4")
 
@@ -94,10 +110,12 @@ def run_worker(args) -> int:
     prefill = args.role == "prefill"
     opts = WorkerOptions(
         host=args.host, transport=args.transport, lease_s=args.lease_s, model_name=_model_name(args, cfg),
-        port=args.port or _env_int("PREFILL_ZMQ_PORT" if prefill else "DECODE_ZMQ_PORT", 5555 if prefill else 5557),
+        port=args.port if args.port is not None else
+        _env_int("PREFILL_ZMQ_PORT" if prefill else "DECODE_ZMQ_PORT", 5555 if prefill else 5557),
+        advertise_host=args.advertise_host or _advertised(args.host),
         http_port=args.http_port if args.http_port is not None else
         _env_int("PREFILL_HTTP_PORT" if prefill else "DECODE_HTTP_PORT", 8001 if prefill else 8100),
-        state_port=args.state_port or _env_int("DECODE_STATE_PORT", 5558))
+        state_port=args.state_port if args.state_port is not None else _env_int("DECODE_STATE_PORT", 5558))
     if args.cpu_threads is not None:
         if args.cpu_threads < 1:
             _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")
@@ -117,7 +135,11 @@ def run_worker(args) -> int:
         _die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())
-    worker.start_http()
+    try:
+        worker.start_http()
+    except OSError as e:
+        worker.close()
+        _die(f"launch-pd: --http-port {opts.http_port}: cannot serve HTTP on {args.host}: {e}")
     extra = f", state {worker.receiver.address}" if not prefill else ""
     log.info("%s worker %s ready: requests tcp://%s:%d, http %d%s", args.role, worker.instance_id, args.host,
              opts.port, opts.http_port, extra)
@@ -162,23 +184,39 @@ def run_local(args) -> int:
     extra = ["--device", args.device, "--log-level", args.log_level]
     gw = extra + ["--lease-s", str(args.lease_s)] + (["--served-model-name", args.served_model_name]
                                                      if args.served_model_name else [])
-    pd = LocalPD(args.config, model, transport=args.transport, host=args.host,
-                 gateway_port=args.port or _env_int("ROUTER_HTTP_PORT", 8000),
+    gateway_port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
+    pd = LocalPD(args.config, model, transport=args.transport, host=args.host, gateway_port=gateway_port,
                  extra_args={"prefill": extra, "decode": extra, "gateway": gw})
+    import socket
+    with socket.socket() as s:                 # a gateway already there would answer our health check
+        try:
+            s.bind((args.host, gateway_port))
+        except OSError as e:
+            _die(f"launch-pd: --port: {gateway_port} on {args.host} is not free ({e})")
     stop = {"now": False}
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.update(now=True))
+        signal.signal(sig, interrupt)          # while starting: stop at once (pd.stop below)
     try:
         pd.start()
     except RuntimeError as e:
         _die(f"launch-pd --role local: {e}")
+    except KeyboardInterrupt:
+        pd.stop()
+        return 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.update(now=True))
     log.info("local P/D ready: OpenAI API at %s/v1, metrics %s; Ctrl-C stops", pd.base_url,
              ", ".join(pd.metrics_urls.values()))
     rc = 0
     try:
         while not stop["now"]:
             if not pd.alive():
-                log.error("a child process exited; stopping")
+                dead = [n for n, p in pd.procs.items() if p.poll() is not None]
+                log.error("the %s process exited (status %s); stopping the others", dead[0],
+                          pd.procs[dead[0]].returncode)
                 rc = 1
                 break
             time.sleep(0.2)
@@ -189,6 +227,10 @@ def run_local(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.transport not in TRANSPORTS:        # argparse does not check an env default against choices
+        _die(f"launch-pd: --transport / DSV4_TRANSPORT: {args.transport!r} is not one of {', '.join(TRANSPORTS)}")
+    if not 0 < args.lease_s <= 3600:
+        _die(f"launch-pd: --lease-s: {args.lease_s} must be in (0, 3600] seconds")
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
     for name in ("port", "http_port", "state_port"):
         v = getattr(args, name)

@@ -32,7 +32,8 @@ class DecodeWorker(Worker):
     def __init__(self, engine: LLMEngine, opts: WorkerOptions):
         super().__init__(engine, opts)
         self.table = TransferTable(len(engine.model.layers))
-        self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout)
+        self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout,
+                                      advertise_host=opts.advertise_host or opts.host)
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
@@ -100,8 +101,10 @@ class DecodeWorker(Worker):
     def _abort(self, rid: str) -> None:
         if self.queued.pop(rid, None) is not None:
             self.table.retire(rid)
+            self.metrics.success("abort")
             return
-        self.owners.pop(rid, None)
+        if self.owners.pop(rid, None) is not None:
+            self.metrics.success("abort")
         self.want_lps.pop(rid, None)
         if self.table.retire(rid) is not None:
             self.engine.unreserve(rid)

@@ -291,6 +291,12 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         log.exception("unhandled error")
         return _error(500, f"internal error: {type(e).__name__}")
 
+    def check_utf8(value, field: str) -> None:
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(f"{field}: text is not valid Unicode (a lone surrogate?)", 400, field) from None
+
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise ApiError(f"model: the model `{name}` does not exist (served: `{model_name}`)", 404, "model")
@@ -320,6 +326,9 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(req.model)
+        check_utf8(req.messages, "messages")
+        check_utf8(req.tools, "tools")
+        check_utf8(req.stop, "stop")
         job = await asyncio.to_thread(prepare_chat, req, tokenizer, model_name, backend.max_model_len, max_n)
         return await serve(job, request, arrival)
 
@@ -327,6 +336,8 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.monotonic()
         check_model(req.model)
+        check_utf8(req.prompt, "prompt")
+        check_utf8(req.stop, "stop")
         job = await asyncio.to_thread(prepare_completion, req, tokenizer, model_name, backend.max_model_len, max_n)
         return await serve(job, request, arrival)
 

@@ -93,7 +93,7 @@ class PDBackend:
     @property
     def max_model_len(self) -> int:
         lens = [i.load["max_model_len"] for i in self.instances if "max_model_len" in i.load]
-        return min(lens) if lens else 0
+        return min(lens) if lens else 1 << 40      # unknown until a worker answers: generate() says 503
 
     async def start(self) -> None:
         for inst in self.instances:
@@ -193,6 +193,12 @@ class PDBackend:
         legs = [dec]
         finished = False
         params = params_to_dict(req.params)
+        try:
+            pack({"prompt_ids": req.prompt_ids, "params": params})
+        except (OverflowError, ValueError, TypeError) as e:     # e.g. an integer beyond 64 bits
+            del self._streams[rid]
+            dec.inflight -= 1
+            raise BackendError(f"a request field does not fit the worker protocol: {e}", 400) from None
         try:
             await self._send(dec, {"op": "reserve", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,
                                    "lease_s": self.lease_s})

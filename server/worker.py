@@ -7,6 +7,7 @@ engine core; the HTTP server runs on a daemon thread and only reads.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ class WorkerOptions:
     idle_poll_ms: int = 2            # how long an idle loop waits for a message
     max_queued: int = 1024           # decode: samples waiting for a reservation (then 429)
     model_name: str = "deepseek-v4"
+    advertise_host: str | None = None  # decode: the host in the state address (None: ``host``)
 
 
 def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
@@ -177,10 +179,12 @@ class Worker:
     def start_http(self) -> None:
         if not self.opts.http_port:
             return
-        cfg = uvicorn.Config(self.http_app(), host=self.opts.host, port=self.opts.http_port, log_level="warning",
-                             access_log=False)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.opts.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.opts.host, self.opts.http_port))     # raises OSError now, not in the thread
+        cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False)
         self._http = uvicorn.Server(cfg)
-        threading.Thread(target=self._http.run, name="http", daemon=True).start()
+        threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http", daemon=True).start()
 
     def close(self) -> None:
         self.stop.set()

@@ -96,3 +96,27 @@ def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["--role", "decode", "--config", "configs/tiny-flash.yaml"], {"DSV4_TRANSPORT": "zmq"}, "DSV4_TRANSPORT"),
+    (["--role", "decode", "--config", "configs/tiny-flash.yaml", "--lease-s", "-5"], {}, "--lease-s"),
+])
+def test_bad_environment_and_values_exit_2(args, env, needle):
+    import os
+    r = _run(args, env={**os.environ, **env})
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_http_port_and_local_port_in_use_exit_2(tiny_ckpt):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _run(["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--model", str(tiny_ckpt("flash", 1)),
+                  "--port", str(free_port()), "--http-port", str(port)])
+        assert r.returncode == 2 and "--http-port" in r.stderr, r.stderr
+        r = _run(["--role", "local", "--config", "configs/tiny-flash.yaml", "--model", str(tiny_ckpt("flash", 1)),
+                  "--port", str(port)])
+        assert r.returncode == 2 and "--port" in r.stderr and "not free" in r.stderr, r.stderr

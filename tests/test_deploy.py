@@ -123,7 +123,7 @@ def test_dry_run_prefill_starts_gateway_on_first_prefill_node():
                           "--host": "127.0.0.1", "--port": "8000", "--prefill-addrs": "127.0.0.1:5555",
                           "--decode-addrs": "127.0.0.1:5557"}
     assert _flags(pf) == {"--role": "prefill", "--config": _config("deepseek-v4-flash-a3-prefill.yaml"),
-                          "--port": "5555", "--http-port": "8001", "--transport": "zmq", "--host": "127.0.0.1"}
+                          "--port": "5555", "--http-port": "8001", "--transport": "zmq-tcp", "--host": "127.0.0.1"}
 
 
 def test_dry_run_decode_gateway_local_offline(tmp_path):

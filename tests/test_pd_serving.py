@@ -196,3 +196,17 @@ def test_client_disconnect_aborts_decode_and_frees_its_state(cluster):
     assert _decode_idle(cluster), "decode did not abort the sample"
     text = httpx.get(cluster.metrics_urls["gateway"]).text
     assert re.search(r'dsv4:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', text), busy
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "top_k": 2 ** 70}, None),
+    ({"prompt": "hi", "stop_token_ids": [2 ** 64]}, None),
+    ({"prompt": "\ud800 lone surrogate"}, "prompt"),
+])
+def test_out_of_range_and_invalid_unicode_are_400_not_500(cluster, body, param):
+    r = httpx.post(cluster.base_url + "/v1/completions", timeout=60,
+                   content=__import__("json").dumps({"model": _model(cluster), "max_tokens": 2, **body}).encode())
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    ok = _client(cluster).completions.create(model=_model(cluster), prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2

@@ -252,3 +252,21 @@ def test_unknown_instance_and_token_one_that_ends_the_sample(pd, reference):
         finally:
             await b.close()
     asyncio.run(no_decode())
+
+
+def test_bad_destination_fails_that_sample_only(pd, reference):
+    """A prefill whose destination is not a receiver: an error for that sample, the worker serves on."""
+    gw = _Gateway(pd.prefill.opts.port)
+    prompt = _prompts([20], seed=9)[0]
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, seed=2)
+    try:
+        gw.send({"op": "prefill", "rid": f"bad-{uuid.uuid4().hex}", "prompt_ids": prompt,
+                 "params": params_to_dict(params), "dest": "garbage"})
+        first = gw.recv(op="first")
+        err = gw.recv(op="error", timeout_s=30)
+        assert first["rid"] == err["rid"] and err["status"] == 502
+    finally:
+        gw.close()
+    req = GenRequest(f"ok-{uuid.uuid4().hex}", prompt, params)
+    assert asyncio.run(_collect(pd.backend(), [req]))[0] == reference.generate([prompt], params)[0].output_ids
+    assert pd.prefill.engine.num_free_blocks() == pd.prefill.engine.num_total_blocks()
