@@ -1,4 +1,4 @@
-"""Control messages between the gateway and the workers: msgpack maps of plain types, no pickle.
+"""Control messages between the gateway and the workers: msgpack maps of plain types (never pickle)
 
 Gateway -> worker (ZMQ DEALER -> ROUTER):
     {"op": "ping"}                                             -> {"op": "pong", ...load...}
