@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                    "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
     p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
+    p.add_argument("--api-key", action="append",
+                   help="gateway: require 'Authorization: Bearer KEY' on /v1/* (repeatable; env DSV4_API_KEY, "
+                        "comma-separated)")
     p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name)")
     p.add_argument("--lease-s", type=float, default=60.0, help="decode reservation lease (s), in (0, 3600]")
     p.add_argument("--advertise-host", default=os.environ.get("DSV4_ADVERTISE_HOST"),
@@ -169,7 +172,10 @@ def run_gateway(args) -> int:
         _die(f"launch-pd: --prefill-addrs / --decode-addrs: {e}")
     tokenizer = Tokenizer(model_dir)
     backend = PDBackend(pre, dec, lease_s=args.lease_s)
-    app = create_app(backend, tokenizer, _model_name(args, cfg))
+    keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]
+    if any(not k.strip() or k != k.strip() for k in keys):
+        _die("launch-pd: --api-key / DSV4_API_KEY: a key must be non-empty, without surrounding spaces")
+    app = create_app(backend, tokenizer, _model_name(args, cfg), api_keys=keys or None)
     port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     log.info("gateway on http://%s:%d: prefill %s, decode %s", args.host, port, pre, dec)
     uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)

@@ -18,6 +18,7 @@ token, ITL between token events, TPOT = (e2e - TTFT) / (tokens - 1), request_suc
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -266,8 +267,10 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
 
     async def auth(request: Request) -> None:
         if keys:
-            h = request.headers.get("authorization", "")
-            if not (h.startswith("Bearer ") and h[7:] in keys):
+            h = request.headers.get("authorization", "").encode()
+            given = h[7:] if h.startswith(b"Bearer ") else b""
+            # compare with every key, constant time each: no timing hint of which prefix matched
+            if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
                 raise ApiError("invalid or missing API key", 401)
 
     @app.exception_handler(ApiError)

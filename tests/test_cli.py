@@ -120,3 +120,30 @@ def test_http_port_and_local_port_in_use_exit_2(tiny_ckpt):
         r = _run(["--role", "local", "--config", "configs/tiny-flash.yaml", "--model", str(tiny_ckpt("flash", 1)),
                   "--port", str(port)])
         assert r.returncode == 2 and "--port" in r.stderr and "not free" in r.stderr, r.stderr
+
+
+def test_gateway_api_key(tiny_ckpt):
+    """--api-key: /v1/* answer 401 in OpenAI's shape without the key, and serve with it."""
+    port = free_port()
+    p = subprocess.Popen(LAUNCH + ["--role", "gateway", "--model", str(tiny_ckpt("flash", 1)), "--port", str(port),
+                                   "--prefill-addrs", f"127.0.0.1:{free_port()}",
+                                   "--decode-addrs", f"127.0.0.1:{free_port()}", "--api-key", "s3cret"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/v1/models"
+    try:
+        end = time.monotonic() + 120
+        while True:
+            try:
+                r = httpx.get(url, timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < end and p.poll() is None
+                time.sleep(0.3)
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = httpx.get(url, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"]
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503   # no workers: not healthy
+    finally:
+        p.terminate()
+        p.wait(30)
