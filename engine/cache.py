@@ -354,10 +354,13 @@ def _comp_view(tensors: tuple[torch.Tensor, torch.Tensor], slot: int, ratio: int
 class PagedSequenceState:
     """A request's decode state over the pools: the ``engine.state.SequenceState`` interface."""
 
-    def __init__(self, cache: PagedCache, held: SeqBlocks, num_tokens: int):
-        # block tables as tensors once per step, shared by all layers
+    def __init__(self, cache: PagedCache, held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None):
+        # block tables as tensors once per step, shared by all layers; ``layers``: build only these
+        # (the others are None), e.g. when P/D extracts one finished layer
         tables = {p: torch.tensor(b, dtype=torch.long, device=cache.device) for p, b in held.tables.items()}
-        self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) for l in range(cache.geometry.num_layers)]
+        keep = None if layers is None else set(layers)
+        self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) if keep is None or l in keep else None
+                       for l in range(cache.geometry.num_layers)]
         self.num_tokens = num_tokens
 
 
@@ -373,11 +376,10 @@ def state_tensors(cache: PagedCache, seq_id, num_tokens: int, layers: Iterable[i
     ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous). ``layers``: only
     these layers (P/D pushes each layer as soon as its state is final).
     """
-    st = cache.sequence_state(seq_id, num_tokens)
+    st = PagedSequenceState(cache, cache.seqs[seq_id], num_tokens, layers)
     out: dict[str, torch.Tensor] = {}
-    keep = None if layers is None else set(layers)
     for l, layer in enumerate(st.layers):
-        if keep is not None and l not in keep:
+        if layer is None:
             continue
         n = min(num_tokens, layer.window - 1)
         pos = torch.arange(num_tokens - n, num_tokens, device=layer.win_pool.device)
@@ -445,9 +447,9 @@ def load_state_tensors(cache: PagedCache, seq_id, num_tokens: int, tensors: dict
         t = tensors[k]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"state tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
-    st = cache.sequence_state(seq_id, 0)
+    st = PagedSequenceState(cache, cache.seqs[seq_id], 0, layers)
     for l, layer in enumerate(st.layers):
-        if layers is not None and l not in layers:
+        if layer is None:
             continue
         win = tensors[f"layers.{l}.win_kv"]
         pos = torch.arange(num_tokens - win.shape[0], num_tokens, device=layer.win_pool.device)
