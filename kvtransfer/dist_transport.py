@@ -18,6 +18,15 @@ exercised here. The data plane trusts its peer like any c10d group does: gloo ab
 when a peer sends more bytes than a posted recv (the sender checks every frame size against the
 header before sending, and a receiver that drops a header tears the pair down so the plan can never
 desynchronise). Keep the store and group ports on the cluster network.
+
+Security: ``secret`` (the cluster shared secret, passed through to the ZMQ sender / receiver)
+secures the ZMQ control channel only -- hello / welcome / headers / replies under CURVE + ZAP
+(``kvtransfer.secure``), so no peer without the secret can handshake and obtain a pair prefix.
+The torch.distributed side cannot be authenticated or encrypted: the TCPStore and the gloo /
+nccl / hccl connections accept any peer that reaches their ports and speaks their protocol, and
+gloo aborts the process on unexpected bytes. The receiver binds the store to the configured
+``host`` only (never all interfaces unless ``host`` is a wildcard), gloo to the same host; keep
+that host on a private cluster network (or use zmq-tcp, fully covered by the secret).
 """
 from __future__ import annotations
 

@@ -29,12 +29,21 @@ state message it dropped (no handshake, malformed, over a limit, dist pair faile
 surfaces it through ``poll_replies`` and handshakes again on its next ``send``. A sender's
 ``close`` sends ``{"op": "bye", "v": 1, "sender_id"}``: the receiver forgets it after delivering
 what is already under way. A hello whose sender_id is already connected supersedes that peer
-(a restarted prefill worker), so sender ids must be unique per live sender.
+(a restarted prefill worker), so sender ids must be unique per live sender. When its peer table
+is full the receiver probes its peers with ``{"op": "ping", "v": 1}`` (senders ignore it) and
+forgets those whose connection is gone.
 
 Every ZMQ message also carries a leading one-byte tag frame (C control, M state message, R reply),
 so control and state messages never depend on what the wire header contains.
 
 No pickle anywhere: control messages are msgpack of plain types; every size is bounded (``Limits``).
+
+Security: ``make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the cluster's
+shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
+(``kvtransfer.secure``): encrypted, and a peer without S cannot deliver a single frame; a sender
+whose secret differs gets TransportError from ``connect``. Both sides must agree (secret on one
+side only fails the handshake). ``secret=None`` (the default): plain ZMQ, for loopback / trusted
+networks. The dist kind's torch.distributed data plane is not covered (see dist_transport).
 """
 from __future__ import annotations
 
@@ -212,14 +221,24 @@ def transfer_id_of(frame0) -> str | None:
 
 def split_dest(dest: str, dist: bool) -> str:
     """Sender destination -> ZMQ endpoint. ``dist`` senders take ``dist+tcp://`` / ``dist+ipc://``
-    (a bare ``tcp://`` / ``ipc://`` too). Raises ValueError for any other scheme."""
+    (a bare ``tcp://`` / ``ipc://`` too). A ``#RECEIVER_ID`` suffix (``dest_receiver_id``) is not
+    part of the endpoint. Raises ValueError for any other scheme."""
     if not isinstance(dest, str):
         raise ValueError(f"dest must be a string, found {type(dest).__name__}")
+    dest = dest.partition("#")[0]
     zdest = dest[5:] if dist and dest.startswith("dist+") else dest
     if not (zdest.startswith("tcp://") or zdest.startswith("ipc://")):
         want = "dist+tcp://HOST:PORT or dist+ipc:///PATH" if dist else "tcp://HOST:PORT or ipc:///PATH"
         raise ValueError(f"dest {dest!r}: expected {want}")
     return zdest
+
+
+def dest_receiver_id(dest: str) -> str | None:
+    """``tcp://h:p#decode-1a2b`` -> ``decode-1a2b``: the receiver (process) a destination names. A
+    sender refuses to deliver to another one at that endpoint (a restarted decode), so a transfer
+    reserved on the old process can never land in the new one's slots."""
+    rid = dest.partition("#")[2] if isinstance(dest, str) else ""
+    return rid or None
 
 
 def tcp_endpoint(host: str, port: int) -> str:
@@ -315,39 +334,44 @@ class StateReceiver(ABC):
 
 
 def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, fingerprint: str = "",
-                  layout: dict | None = None, **kw) -> StateReceiver:
+                  layout: dict | None = None, secret=None, **kw) -> StateReceiver:
     """Bind a receiver of ``kind`` ("zmq-tcp" | "zmq-ipc" | "dist") on ``host``:``port`` (0: a free
-    port). Keyword arguments: ``receiver_id``, ``ipc_path`` (zmq-ipc, or dist over ipc),
+    port). ``secret``: the cluster shared secret (str / bytes of >= 16 characters, or
+    ``secure.ClusterKeys``) -> CURVE server accepting only senders with the same secret; None:
+    plain ZMQ. Keyword arguments: ``receiver_id``, ``ipc_path`` (zmq-ipc, or dist over ipc),
     ``advertise_host``, ``linger_ms``, the ``Limits`` fields, and for dist ``store_port``,
     ``device``, ``op_timeout_s``, ``rendezvous_timeout_s``, ``coalesce_bytes``, ``deliver``.
 
     Raises:
-        ValueError: unknown kind. zmq.ZMQError / OSError: the address (or store port) cannot be bound.
+        ValueError: unknown kind, or an empty / too short secret. zmq.ZMQError / OSError: the
+            address (or store port) cannot be bound.
     """
     layout = {} if layout is None else layout
     if kind in ("zmq-tcp", "zmq-ipc"):
         from kvtransfer.zmq_transport import ZmqStateReceiver
-        return ZmqStateReceiver(kind, host, port, fingerprint, layout, **kw)
+        return ZmqStateReceiver(kind, host, port, fingerprint, layout, secret=secret, **kw)
     if kind == "dist":
         from kvtransfer.dist_transport import DistStateReceiver
-        return DistStateReceiver(host, port, fingerprint, layout, **kw)
+        return DistStateReceiver(host, port, fingerprint, layout, secret=secret, **kw)
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
 
 
-def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_id: str = "", **kw) -> StateSender:
+def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_id: str = "", secret=None,
+                **kw) -> StateSender:
     """A sender of ``kind``. "zmq-tcp" and "zmq-ipc" are the same sender (the dest address says
-    which). Keyword arguments: ``send_timeout_s``, ``linger_ms``, ``max_control_bytes``, and for
-    dist ``device``, ``op_timeout_s``, ``local_host``.
+    which). ``secret``: the cluster shared secret (as for ``make_receiver``; must equal the
+    receiver's) -> CURVE client; None: plain ZMQ. Keyword arguments: ``send_timeout_s``,
+    ``linger_ms``, ``max_control_bytes``, and for dist ``device``, ``op_timeout_s``, ``local_host``.
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind, or an empty / too short secret.
     """
     layout = {} if layout is None else layout
     sender_id = sender_id or f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if kind in ("zmq-tcp", "zmq-ipc"):
         from kvtransfer.zmq_transport import ZmqStateSender
-        return ZmqStateSender(fingerprint, layout, sender_id, **kw)
+        return ZmqStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
     if kind == "dist":
         from kvtransfer.dist_transport import DistStateSender
-        return DistStateSender(fingerprint, layout, sender_id, **kw)
+        return DistStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")

@@ -11,10 +11,21 @@ The receiver owns its ROUTER socket on one background thread; ``reply`` queues t
 wakes it through a socketpair, so any thread may call it. Tensor frames are sent with
 ``copy=False`` (zero-copy for frames over pyzmq's copy threshold) and received as zmq.Frame
 buffers (memoryviews), never copied by the transport.
+
+Security: with a cluster ``secret`` (both sides, ``kvtransfer.secure``) the pair runs CURVE
+(ZMQ RFC 26, encryption + mutual authentication; the receiver's ZAP handler, RFC 27, accepts only
+the cluster's client key): a peer without the secret never gets a frame to the receiver, and a
+sender whose secret differs fails ``connect`` with TransportError (fast, from the socket's
+handshake-failure events; at worst at ``timeout_s``). Without a secret, plain ZMQ: bind to
+loopback or a trusted network. Either way every socket bounds one frame (``MAXMSGSIZE``), the
+receiver never raises on garbage, drops what it cannot parse (counted in ``stats``, a warning
+at most once per cause per 10 s) and keeps at most ``max_peers`` peers, pruning disconnected ones
+when full.
 """
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import socket
 import threading
@@ -22,14 +33,19 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import wire
+from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_client, secure_server, stop_authenticator
 from kvtransfer.transport import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Limits, StateReceiver,
                                   StateSender, TransportError, check_message, default_ipc_path, frame_nbytes,
-                                  handshake_mismatch, limits_from, normalize_layout, pack_control, split_dest,
+                                  handshake_mismatch, limits_from, normalize_layout, pack_control, split_dest, dest_receiver_id,
                                   tcp_endpoint, transfer_id_of, unpack_control)
 
 _MAX_ID = 256   # characters of sender_id / receiver_id / nonce
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+log = logging.getLogger(__name__)
 
 
 def _is_str(v, n: int = _MAX_ID) -> bool:
@@ -58,14 +74,20 @@ class ZmqStateSender(StateSender):
         send_timeout_s: how long ``send`` may block on a full queue (peer gone / not reading)
             before TransportError. linger_ms: how long ``close`` flushes queued messages.
         max_control_bytes: bound on one reply frame.
+        secret: the cluster shared secret (str / bytes, >= 16 characters, or ``secure.ClusterKeys``):
+            CURVE client towards receivers started with the same secret. None: plain ZMQ.
+
+    Raises:
+        ValueError: bad sender_id, or a secret that is empty / too short.
     """
     transport_name = "zmq"
     _dist = False
 
     def __init__(self, fingerprint: str, layout: dict, sender_id: str, send_timeout_s: float = 30.0,
-                 linger_ms: int = 1000, max_control_bytes: int = 1 << 20, sndhwm: int = 1000):
+                 linger_ms: int = 1000, max_control_bytes: int = 1 << 20, sndhwm: int = 1000, secret=None):
         if not _is_str(sender_id):
             raise ValueError(f"sender_id must be a non-empty string of at most {_MAX_ID} characters")
+        self._keys = cluster_keys(secret)
         self.fingerprint, self.layout, self.sender_id = fingerprint, normalize_layout(layout), sender_id
         self.send_timeout_s, self.linger_ms, self.max_control_bytes = send_timeout_s, linger_ms, max_control_bytes
         self.sndhwm = sndhwm
@@ -92,6 +114,8 @@ class ZmqStateSender(StateSender):
         if dest in self._conns:
             return
         zdest = split_dest(dest, self._dist)
+        for old in [d for d, c in self._conns.items() if c.zdest == zdest]:
+            self._drop(old)              # another process at that endpoint before (a restarted decode)
         deadline = time.monotonic() + timeout_s
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -101,29 +125,76 @@ class ZmqStateSender(StateSender):
         if zdest.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)
         conn = _Conn(dest, zdest, sock)
+        mon = None
         try:
+            secure_client(sock, self._keys)
+            mon = sock.get_monitor_socket(_HANDSHAKE_FAILED)   # a refused handshake fails fast
             sock.connect(zdest)
             nonce = uuid.uuid4().hex
             sock.send_multipart([TAG_CTL, pack_control(self._hello(nonce), self.max_control_bytes)])
-            welcome = self._await_welcome(sock, dest, nonce, deadline, timeout_s)
+            welcome = self._await_welcome(sock, mon, dest, nonce, deadline, timeout_s)
             self._check_welcome(conn, welcome)
             self._on_welcome(conn, welcome, deadline)
         except zmq.ZMQError as e:
-            self._close_conn(conn, 0)
+            self._close_conn(conn, 0, mon)
             raise TransportError(f"connect to {dest}: {e}") from None
         except BaseException:
-            self._close_conn(conn, 0)
+            self._close_conn(conn, 0, mon)
             raise
+        self._stop_monitor(sock, mon)
         sock.setsockopt(zmq.LINGER, self.linger_ms)
         self._conns[dest] = conn
 
-    def _await_welcome(self, sock, dest: str, nonce: str, deadline: float, timeout_s: float) -> dict:
+    @staticmethod
+    def _stop_monitor(sock, mon) -> None:
+        if mon is None:
+            return
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        mon.close(linger=0)
+
+    def _handshake_failed(self, mon, dest: str, failures: int) -> int:
+        """Read one monitor event; raise TransportError for a handshake that cannot succeed.
+        Returns the count of unexplained (NO_DETAIL) failures so far."""
+        try:
+            ev = recv_monitor_message(mon, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return failures
+        kind = ev.get("event")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            raise TransportError(f"handshake with {dest} refused: the decode receiver did not accept this sender's "
+                                 f"CURVE key (the cluster secrets differ)")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            why = ("this sender has a cluster secret (CURVE) and the receiver has none" if self._keys else
+                   "the receiver requires a cluster secret (CURVE) and this sender has none")
+            raise TransportError(f"handshake with {dest} failed: ZMTP security mechanism or protocol differs "
+                                 f"({why}; or it is not a dsv4 state receiver)")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            failures += 1
+            if self._keys and failures >= 2:   # persistent: the receiver cannot decrypt our CURVE HELLO
+                raise TransportError(f"handshake with {dest} failed: the decode receiver dropped the CURVE "
+                                     f"handshake (its cluster secret differs, or it has none)")
+        return failures
+
+    def _await_welcome(self, sock, mon, dest: str, nonce: str, deadline: float, timeout_s: float) -> dict:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if mon is not None:
+            poller.register(mon, zmq.POLLIN)
+        failures = 0
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            events = dict(poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if mon is not None and mon in events:
+                failures = self._handshake_failed(mon, dest, failures)
+            if sock not in events:
                 if time.monotonic() >= deadline:
+                    hint = (f"; {failures} ZMTP handshake(s) failed (cluster secret / CURVE mismatch?)"
+                            if failures else "")
                     raise TransportError(f"handshake with {dest} timed out after {timeout_s:g} s "
-                                         f"(no receiver listening there, or it is not a dsv4 state receiver)")
+                                         f"(no receiver listening there, or it is not a dsv4 state receiver{hint})")
                 continue
             frames = sock.recv_multipart()
             if len(frames) != 2 or frames[0] != TAG_CTL:
@@ -144,6 +215,10 @@ class ZmqStateSender(StateSender):
         reason = handshake_mismatch(self._mine(), w, me="prefill", them="decode")
         if reason:
             raise TransportError(f"handshake with {conn.dest} refused by the prefill side: {reason}")
+        want = dest_receiver_id(conn.dest)
+        if want is not None and w.get("receiver_id") != want:
+            raise TransportError(f"handshake with {conn.dest}: the receiver there is {w.get('receiver_id')!r}, "
+                                 f"not {want!r} (the decode process restarted): its reservation is gone")
         lim = w.get("limits")
         if not (isinstance(lim, dict) and isinstance(lim.get("max_frames"), int)
                 and isinstance(lim.get("max_message_bytes"), int)):
@@ -211,10 +286,11 @@ class ZmqStateSender(StateSender):
         if conn is not None:
             self._close_conn(conn, 0)
 
-    def _close_conn(self, conn: _Conn, linger_ms: int) -> None:
+    def _close_conn(self, conn: _Conn, linger_ms: int, mon=None) -> None:
         try:
             self._close_extra(conn)
         finally:
+            self._stop_monitor(conn.sock, mon)
             conn.sock.close(linger=linger_ms)
 
     def close(self) -> None:
@@ -248,25 +324,33 @@ class ZmqStateReceiver(StateReceiver):
         fingerprint / layout: what a hello must equal (else refused, naming the difference).
         receiver_id: sent in the welcome (default: random). advertise_host: host put in
             ``address`` when binding a wildcard host. linger_ms: flush time for replies on close.
+        secret: the cluster shared secret (str / bytes, >= 16 characters, or ``secure.ClusterKeys``):
+            the socket is a CURVE server and only senders with the same secret get through.
+            None: plain ZMQ.
         **limits: ``Limits`` fields (max_frames, max_message_bytes, ...).
 
     Raises:
-        zmq.ZMQError: the endpoint cannot be bound. TypeError: unknown keyword.
+        zmq.ZMQError: the endpoint cannot be bound. TypeError: unknown keyword. ValueError: a
+            secret that is empty / too short.
     """
     transport_name = "zmq"
 
     def __init__(self, kind: str, host: str, port: int, fingerprint: str, layout: dict, receiver_id: str | None = None,
-                 ipc_path: str | None = None, advertise_host: str | None = None, linger_ms: int = 100, **limits):
+                 ipc_path: str | None = None, advertise_host: str | None = None, linger_ms: int = 100, secret=None,
+                 **limits):
         self.limits = limits_from(limits)
         if limits:
             raise TypeError(f"unexpected keyword arguments {sorted(limits)}")
+        keys = cluster_keys(secret)
+        self.secured = keys is not None
+        self._rlog = RateLimitedLog(log)
         self.kind = kind
         self.fingerprint, self.layout = fingerprint, normalize_layout(layout)
         self.receiver_id = receiver_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.linger_ms = linger_ms
         self._stats = collections.Counter({k: 0 for k in ("messages", "bytes", "handshakes", "refused",
                                                           "dropped_malformed", "dropped_unknown_peer", "replies",
-                                                          "replies_dropped")})
+                                                          "replies_dropped", "peers_pruned")})
         self._lock = threading.Lock()                  # peers, outbox, stats
         self._cond = threading.Condition(threading.Lock())   # delivered queue
         self._delivered: collections.deque = collections.deque()
@@ -276,10 +360,12 @@ class ZmqStateReceiver(StateReceiver):
         self._by_id: dict[str, _Peer] = {}
         self._stop = threading.Event()
         self._closed = False
+        self._last_prune = float("-inf")
 
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         try:
+            secure_server(sock, keys)   # before bind; starts the context's ZAP handler
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_control_bytes))
             sock.setsockopt(zmq.LINGER, linger_ms)
@@ -298,6 +384,7 @@ class ZmqStateReceiver(StateReceiver):
                 zaddr = f"{tcp_endpoint(adv, self.port)}"
         except BaseException:
             sock.close(linger=0)
+            stop_authenticator(self._ctx)
             self._ctx.term()
             raise
         self._sock = sock
@@ -360,6 +447,7 @@ class ZmqStateReceiver(StateReceiver):
         self._close_extra()
         with self._cond:
             self._cond.notify_all()
+        stop_authenticator(self._ctx)   # its sockets would block term()
         self._ctx.term()
         self._wake_r.close()
         self._wake_w.close()
@@ -477,11 +565,16 @@ class ZmqStateReceiver(StateReceiver):
             if tag == TAG_REP:
                 self._count("replies" if ok else "replies_dropped")
 
+    def _dropped(self, stat: str, cause: str, why: str) -> None:
+        """Count a dropped ZMQ message; a warning at most once per cause per 10 s (fuzzers cannot flood the log)."""
+        self._count(stat)
+        self._rlog.warning(cause, "state receiver %s: dropped a message: %s", self.receiver_id, why[:300])
+
     def _handle(self, frames: list) -> None:
         """One ZMQ message [routing id, tag, ...]. Never raises on garbage."""
         try:
             if len(frames) < 3 or len(frames[1]) != 1:
-                self._count("dropped_malformed")
+                self._dropped("dropped_malformed", "framing", f"{len(frames) - 1} frames without a valid tag")
                 return
             rid, tag = frames[0].bytes, frames[1].bytes
             if tag == TAG_CTL and len(frames) == 3:
@@ -489,15 +582,15 @@ class ZmqStateReceiver(StateReceiver):
             elif tag == TAG_MSG:
                 self._on_message(rid, frames[2:])
             else:
-                self._count("dropped_malformed")
-        except Exception:   # never let a bad message kill the socket thread
-            self._count("dropped_malformed")
+                self._dropped("dropped_malformed", "framing", f"tag {tag!r} with {len(frames) - 2} frames")
+        except Exception as e:   # never let a bad message kill the socket thread
+            self._dropped("dropped_malformed", "error", f"{type(e).__name__} while handling it")
 
     def _on_message(self, rid: bytes, zframes: list) -> None:
         with self._lock:
             peer = self._by_rid.get(rid)
         if peer is None:
-            self._count("dropped_unknown_peer")
+            self._dropped("dropped_unknown_peer", "unknown-peer", "state message from a peer without a handshake")
             self._reject(rid, "no handshake with this decode receiver (restarted or superseded): send hello first",
                          zframes[0])
             return
@@ -505,15 +598,39 @@ class ZmqStateReceiver(StateReceiver):
         try:
             self._accept(peer, body)
         except wire.TransferError as e:
-            self._count("dropped_malformed")
+            self._dropped("dropped_malformed", "bad-message", f"from {peer.peer_id}: {e}")
             self._reject(rid, f"dropped: {e}", body[0])
             self._on_dropped(peer)
 
     def _refuse(self, rid: bytes, nonce, reason: str) -> None:
         self._count("refused")
+        self._rlog.warning("refused", "state receiver %s: refused a hello: %s", self.receiver_id, reason[:300])
         msg = {"op": "refuse", "v": PROTOCOL_VERSION, "nonce": nonce if _is_str(nonce, 64) else "",
                "reason": reason}
         self._send_now(rid, TAG_CTL, pack_control(msg, self.limits.max_control_bytes))
+
+    def _prune_dead_peers(self) -> int:
+        """Socket thread only: forget handshaked peers whose connection is gone (a sender that
+        vanished without ``bye``), so they cannot fill ``max_peers`` for good. Probes each routing
+        id with a ``{"op": "ping"}`` control frame (senders ignore it): with ROUTER_MANDATORY a
+        gone peer fails with EHOSTUNREACH. At most every 0.5 s. Returns the number forgotten."""
+        now = time.monotonic()
+        if now - self._last_prune < 0.5:
+            return 0
+        self._last_prune = now
+        with self._lock:
+            peers = list(self._by_rid.values())
+        ping = pack_control({"op": "ping", "v": PROTOCOL_VERSION}, self.limits.max_control_bytes)
+        gone = 0
+        for p in peers:
+            try:
+                self._sock.send_multipart([p.rid, TAG_CTL, ping], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH and self._forget(p):
+                    gone += 1
+        if gone:
+            self._count("peers_pruned", gone)
+        return gone
 
     def _on_control(self, rid: bytes, frame) -> None:
         msg = unpack_control(frame, self.limits.max_control_bytes)
@@ -524,7 +641,7 @@ class ZmqStateReceiver(StateReceiver):
                 self._forget(peer, graceful=True)
             return
         if msg is None or msg.get("op") != "hello":
-            self._count("dropped_malformed")
+            self._dropped("dropped_malformed", "bad-control", "control frame that is not a msgpack hello / bye")
             return
         nonce = msg.get("nonce")
         if msg.get("v") != PROTOCOL_VERSION:
@@ -546,6 +663,9 @@ class ZmqStateReceiver(StateReceiver):
             full = len(self._by_id) >= self.limits.max_peers
         for p in {id(p): p for p in old}.values():
             self._peer_gone(p)
+        if full and self._prune_dead_peers():
+            with self._lock:
+                full = len(self._by_id) >= self.limits.max_peers
         if full:
             return self._refuse(rid, nonce, f"too many prefill peers (max_peers={self.limits.max_peers})")
         peer = _Peer(sender_id, rid)
