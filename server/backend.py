@@ -29,11 +29,13 @@ class BackendError(RuntimeError):
 @dataclass(frozen=True)
 class GenRequest:
     """One sample. ``request_id`` is unique per sample and never reused (it is the transfer id).
-    ``params.seed`` is set (the gateway draws one when the client gave none) so both legs agree."""
+    ``params.seed`` is set (the gateway draws one when the client gave none) so both legs agree.
+    ``deadline``: ``time.monotonic()`` after which the sample is aborted with 504 (None: none)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    deadline: float | None = None
 
 
 @dataclass

@@ -65,8 +65,46 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-host", default=os.environ.get("DSV4_ADVERTISE_HOST"),
                    help="decode: host prefill workers reach the state port at (default: --host, or this "
                         "machine's address when --host is a wildcard)")
+    p.add_argument("--worker-timeout-s", type=float, default=5.0,
+                   help="a gateway <-> worker connection silent for this long (worker killed, stopped or "
+                        "unreachable) is dropped; the gateway then fails or retries its samples (s)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="SIGTERM: stop admitting, give in-flight requests this long, abort the rest, exit 0 (s)")
+    p.add_argument("--request-timeout-s", type=float, default=0.0,
+                   help="gateway: default deadline of a request (s; 0: none; a request's X-Request-Timeout "
+                        "header overrides it)")
+    p.add_argument("--max-pending", type=int, default=4096,
+                   help="gateway: most samples in flight; more get 429 with Retry-After")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="decode: samples waiting for a reservation; more get 429 with Retry-After")
+    p.add_argument("--transfer-timeout-s", type=float, default=60.0,
+                   help="prefill: commit sent -> decode's acknowledgement (s)")
+    p.add_argument("--max-retries", type=int, default=2,
+                   help="gateway: retries of a sample whose prefill / decode instance is lost before token #1")
+    p.add_argument("--cluster-secret-file",
+                   help="file holding the cluster's shared secret (>= 16 characters; surrounding whitespace "
+                        "ignored; env DSV4_CLUSTER_SECRET instead): every ZMQ connection between gateway, "
+                        "prefill and decode then uses CURVE and refuses peers without it, and worker HTTP "
+                        "endpoints need 'Authorization: Bearer <secret>'")
     p.add_argument("--log-level", default=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
     return p
+
+
+def _cluster_secret(args) -> str | None:
+    """The secret from --cluster-secret-file or DSV4_CLUSTER_SECRET (None: none); exits 2 if bad."""
+    from kvtransfer.secure import MIN_SECRET_CHARS
+    if args.cluster_secret_file:
+        try:
+            secret, where = Path(args.cluster_secret_file).read_text().strip(), "--cluster-secret-file"
+        except (OSError, UnicodeDecodeError) as e:
+            _die(f"launch-pd: --cluster-secret-file: cannot read {args.cluster_secret_file}: {e}")
+    else:
+        secret, where = os.environ.get("DSV4_CLUSTER_SECRET", "").strip(), "DSV4_CLUSTER_SECRET"
+        if not secret:
+            return None
+    if len(secret) < MIN_SECRET_CHARS:
+        _die(f"launch-pd: {where}: the cluster secret has {len(secret)} characters; at least {MIN_SECRET_CHARS}")
+    return secret
 
 
 def _load_config(args):
@@ -118,7 +156,9 @@ def run_worker(args) -> int:
         advertise_host=args.advertise_host or _advertised(args.host),
         http_port=args.http_port if args.http_port is not None else
         _env_int("PREFILL_HTTP_PORT" if prefill else "DECODE_HTTP_PORT", 8001 if prefill else 8100),
-        state_port=args.state_port if args.state_port is not None else _env_int("DECODE_STATE_PORT", 5558))
+        state_port=args.state_port if args.state_port is not None else _env_int("DECODE_STATE_PORT", 5558),
+        heartbeat_timeout_s=args.worker_timeout_s, drain_timeout_s=args.drain_timeout_s,
+        max_queued=args.max_queued, transfer_timeout_s=args.transfer_timeout_s, cluster_secret=_cluster_secret(args))
     if args.cpu_threads is not None:
         if args.cpu_threads < 1:
             _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")
@@ -136,8 +176,12 @@ def run_worker(args) -> int:
         worker = W(engine, opts)
     except Exception as e:     # zmq bind errors: address in use / not available
         _die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
+    def on_signal(*_):             # the first drains, a second stops at once
+        if worker.draining:
+            worker.stop.set()
+        worker.begin_drain()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop.set())
+        signal.signal(sig, on_signal)
     try:
         worker.start_http()
     except OSError as e:
@@ -171,15 +215,20 @@ def run_gateway(args) -> int:
     except ValueError as e:
         _die(f"launch-pd: --prefill-addrs / --decode-addrs: {e}")
     tokenizer = Tokenizer(model_dir)
-    backend = PDBackend(pre, dec, lease_s=args.lease_s)
+    backend = PDBackend(pre, dec, lease_s=args.lease_s, worker_timeout_s=args.worker_timeout_s,
+                        max_retries=args.max_retries, cluster_secret=_cluster_secret(args))
     keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]
     if any(not k.strip() or k != k.strip() for k in keys):
         _die("launch-pd: --api-key / DSV4_API_KEY: a key must be non-empty, without surrounding spaces")
-    app = create_app(backend, tokenizer, _model_name(args, cfg), api_keys=keys or None)
+    app = create_app(backend, tokenizer, _model_name(args, cfg), api_keys=keys or None, max_pending=args.max_pending,
+                     request_timeout_s=args.request_timeout_s or None)
     port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     log.info("gateway on http://%s:%d: prefill %s, decode %s", args.host, port, pre, dec)
-    uvicorn.run(app, host=args.host, port=port, log_level="warning", access_log=False)
-    return 0
+    from server.gateway_server import GatewayServer
+    server = GatewayServer(app, uvicorn.Config(app, host=args.host, port=port, log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5), args.drain_timeout_s)
+    server.run()
+    return 0 if server.started else 1
 
 
 def run_local(args) -> int:
@@ -188,10 +237,14 @@ def run_local(args) -> int:
     cfg = _load_config(args)
     model = args.model or cfg.model_config.model_path
     extra = ["--device", args.device, "--log-level", args.log_level]
+    for name in ("worker_timeout_s", "drain_timeout_s", "request_timeout_s", "max_pending", "max_queued",
+                 "transfer_timeout_s", "max_retries"):
+        extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     gw = extra + ["--lease-s", str(args.lease_s)] + (["--served-model-name", args.served_model_name]
                                                      if args.served_model_name else [])
     gateway_port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     pd = LocalPD(args.config, model, transport=args.transport, host=args.host, gateway_port=gateway_port,
+                 cluster_secret=_cluster_secret(args),
                  extra_args={"prefill": extra, "decode": extra, "gateway": gw})
     import socket
     with socket.socket() as s:                 # a gateway already there would answer our health check
@@ -237,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         _die(f"launch-pd: --transport / DSV4_TRANSPORT: {args.transport!r} is not one of {', '.join(TRANSPORTS)}")
     if not 0 < args.lease_s <= 3600:
         _die(f"launch-pd: --lease-s: {args.lease_s} must be in (0, 3600] seconds")
+    for name, lo, hi in (("worker_timeout_s", 0.1, 3600), ("drain_timeout_s", 0, 86400),
+                         ("request_timeout_s", 0, 1e7), ("transfer_timeout_s", 0.1, 3600)):
+        v = getattr(args, name)
+        if not lo <= v <= hi:
+            _die(f"launch-pd: --{name.replace('_', '-')}: {v} must be in [{lo:g}, {hi:g}] seconds")
+    for name, lo in (("max_pending", 1), ("max_queued", 0), ("max_retries", 0)):
+        if getattr(args, name) < lo:
+            _die(f"launch-pd: --{name.replace('_', '-')}: {getattr(args, name)} must be >= {lo}")
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")
     for name in ("port", "http_port", "state_port"):
         v = getattr(args, name)

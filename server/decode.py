@@ -20,7 +20,7 @@ from engine.sequence import RequestOutput
 from kvtransfer.assembler import TransferTable
 from kvtransfer.transport import make_receiver
 from kvtransfer.wire import TransferError, decode_header, decode_state
-from server.messages import MessageError, check_ids, pack_sampled, params_from_dict
+from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 from server.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -33,14 +33,16 @@ class DecodeWorker(Worker):
         super().__init__(engine, opts)
         self.table = TransferTable(len(engine.model.layers))
         self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout,
-                                      advertise_host=opts.advertise_host or opts.host)
+                                      advertise_host=opts.advertise_host or opts.host, secret=opts.cluster_secret,
+                                      receiver_id=f"decode-{self.instance_id}")
+        self.state_addr = f"{self.receiver.address}#{self.receiver.receiver_id}"   # this process only
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
         self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, params, lease)
 
     def extra_load(self) -> dict:
-        return {"state_addr": self.receiver.address, "queued": len(self.queued)}
+        return {"state_addr": self.state_addr, "queued": len(self.queued)}
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
@@ -48,6 +50,10 @@ class DecodeWorker(Worker):
         if not isinstance(rid, str):
             raise MessageError("rid: expected a string")
         if op == "reserve":
+            if self.draining:
+                self.reply(identity, {"op": "error", "rid": rid, "status": 503,
+                                      "message": "decode worker is draining (shutting down)"})
+                return
             self._reserve(identity, rid, msg)
         elif op == "abort":
             self._abort(rid)
@@ -59,6 +65,7 @@ class DecodeWorker(Worker):
         lease = msg.get("lease_s", self.opts.lease_s)
         if not isinstance(lease, (int, float)) or not 0 < lease <= 3600:
             raise MessageError("lease_s: expected seconds in (0, 3600]")
+        deadline_s = check_deadline(msg)
         try:
             params = params_from_dict(msg.get("params"))
             if self.table.is_known(rid) or rid in self.queued:
@@ -75,7 +82,10 @@ class DecodeWorker(Worker):
                                       "message": f"decode is full and {len(self.queued)} samples wait: {e}"})
             else:
                 self.queued[rid] = (identity, prompt, params, float(lease))
+                self.owners[rid] = identity
+                self.track_deadline(rid, deadline_s)
             return
+        self.track_deadline(rid, deadline_s)
         self._reserved(identity, rid, prompt, params, float(lease))
 
     def _admit_queued(self) -> None:
@@ -86,6 +96,7 @@ class DecodeWorker(Worker):
             except CacheFullError:
                 return
             except RequestError as e:
+                self.owners.pop(rid, None)
                 self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             else:
                 self._reserved(identity, rid, prompt, params, lease)
@@ -95,16 +106,17 @@ class DecodeWorker(Worker):
         self.table.expect(rid, len(prompt), lease, identity)
         self.owners[rid] = identity
         self.want_lps[rid] = params.logprobs is not None
-        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.receiver.address,
+        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
                               "instance_id": self.instance_id})
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, reason: str = "abort") -> None:
         if self.queued.pop(rid, None) is not None:
+            self.owners.pop(rid, None)
             self.table.retire(rid)
-            self.metrics.success("abort")
+            self.metrics.success(reason)
             return
         if self.owners.pop(rid, None) is not None:
-            self.metrics.success("abort")
+            self.metrics.success(reason)
         self.want_lps.pop(rid, None)
         if self.table.retire(rid) is not None:
             self.engine.unreserve(rid)
@@ -122,6 +134,34 @@ class DecodeWorker(Worker):
                                "message": f"state transfer failed ({cause}): {message}"})
         if peer is not None:
             self.receiver.reply(peer, {"op": "nack", "transfer_id": rid, "cause": cause, "reason": message})
+
+    def _error(self, rid: str, status: int, message: str) -> None:
+        """Fail ``rid`` (queued, reserved or running): ``error`` to its gateway, state freed."""
+        owner = self.owners.get(rid)
+        self._abort(rid, "error")
+        if owner is not None:
+            self.reply(owner, {"op": "error", "rid": rid, "status": status, "message": message})
+
+    def on_deadline(self, rid: str) -> None:
+        if rid in self.owners:
+            self._error(rid, 504, "the request's deadline passed (timeout) on the decode worker")
+
+    def busy(self) -> bool:
+        return bool(self.owners or self.queued or self.table.pending) or self.engine.has_unfinished()
+
+    def abort_all(self, status: int, message: str) -> None:
+        for rid in list(self.owners):
+            self._error(rid, status, message)
+        for rid in list(self.table.pending):
+            self._abort(rid)
+
+    def _owner_gone(self, owner: bytes) -> None:
+        """The gateway connection of these samples is gone: nobody reads them, free their state."""
+        rids = [r for r, o in self.owners.items() if o == owner]
+        if rids:
+            log.warning("decode: gateway connection gone: aborting %d samples", len(rids))
+        for rid in rids:
+            self._abort(rid)
 
     # ---- state -----------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -143,7 +183,12 @@ class DecodeWorker(Worker):
         pending = self.table.pending.get(tid)
         if pending is None:
             if header["kind"] != "cancel":          # a cancel after an abort is expected
-                self.metrics.transfer_failure("fenced")
+                known = self.table.is_known(tid)
+                self.metrics.transfer_failure("fenced" if known else "unknown")
+                why = ("retired (aborted, expired or done): fenced" if known else
+                       f"not reserved on decode instance {self.instance_id} (restarted?)")
+                self.receiver.reply(peer, {"op": "nack", "transfer_id": tid, "cause": "fenced" if known else "unknown",
+                                           "reason": f"transfer {tid} is {why}"})
             return
         try:
             _, tensors = decode_state(frames, self.fingerprint)
@@ -208,7 +253,8 @@ class DecodeWorker(Worker):
                 self.owners.pop(rid, None)
                 self.want_lps.pop(rid, None)
         for owner, items in batches.items():
-            self.reply(owner, {"op": "out", "items": items})
+            if not self.reply(owner, {"op": "out", "items": items}):
+                self._owner_gone(owner)
 
     def close(self) -> None:
         super().close()

@@ -5,7 +5,9 @@ benchmark start: real ``launch-pd`` processes, each instance on its own ports.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,15 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+def _term_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the parent dies, so a killed launcher leaves
+    no orphan workers (they drain and exit)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -31,8 +42,14 @@ class LocalPD:
 
     def __init__(self, config: str, model: str, num_prefill: int = 1, num_decode: int = 1,
                  transport: str = "zmq-tcp", log_path: str | None = None, gateway_port: int | None = None,
-                 extra_args: dict[str, list[str]] | None = None, host: str = "127.0.0.1"):
+                 extra_args: dict[str, list[str]] | None = None, host: str = "127.0.0.1",
+                 cluster_secret: str | None = None):
         self.host = host
+        self.env = dict(os.environ)
+        self.env.pop("DSV4_CLUSTER_SECRET", None)
+        if cluster_secret is not None:                # children read it from the environment (not argv)
+            self.env["DSV4_CLUSTER_SECRET"] = cluster_secret
+        self.headers = {"Authorization": f"Bearer {cluster_secret}"} if cluster_secret else {}
         launch = [sys.executable, "-m", "server.cli", "--config", config, "--model", model, "--host", host,
                   "--transport", transport]
         extra = {k: list(v) for k, v in (extra_args or {}).items()}
@@ -73,7 +90,8 @@ class LocalPD:
         out = open(self.log_path, "w") if self.log_path else None
         self._log = out
         for name, cmd in self.cmds.items():
-            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+            self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                                env=self.env, preexec_fn=_term_with_parent)
         end = time.monotonic() + timeout_s
         while True:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -91,9 +109,24 @@ class LocalPD:
                 raise RuntimeError(f"the gateway was not healthy within {timeout_s:g} s")
             time.sleep(0.2)
 
+    def signal(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a process (fault tests: SIGKILL, SIGSTOP, SIGCONT, SIGTERM); SIGKILL waits."""
+        p = self.procs[name]
+        p.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.wait()
+
+    def restart(self, name: str) -> None:
+        """Start ``name`` again with the same command (same ports) after it exited."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.procs[name] = subprocess.Popen(self.cmds[name], stdout=self._log,
+                                            stderr=subprocess.STDOUT if self._log else None,
+                                            env=self.env, preexec_fn=_term_with_parent)
+
     def ready(self, name: str) -> dict:
         """A worker's /ready body (its load: running, reserved, free_blocks, ...)."""
-        return httpx.get(self.ready_urls[name], timeout=5).json()
+        return httpx.get(self.ready_urls[name], timeout=5, headers=self.headers).json()
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs.values())

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from engine.llm_engine import LLMEngine, RequestError
@@ -56,7 +57,7 @@ class LocalBackend:
         return {"healthy": alive, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting)}
 
     async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
-        """Raises BackendError(400) for a request the engine refuses."""
+        """Raises BackendError 400 for a request the engine refuses, 504 past ``req.deadline``."""
         if self._thread is None or not self._thread.is_alive():
             raise BackendError("engine is not running", 503)
         q: asyncio.Queue = asyncio.Queue()
@@ -64,7 +65,13 @@ class LocalBackend:
         finished = False
         try:
             while True:
-                item = await q.get()
+                if req.deadline is None:
+                    item = await q.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(q.get(), max(0.0, req.deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise BackendError("the request's deadline passed (timeout)", 504) from None
                 if isinstance(item, Exception):
                     raise item
                 yield item

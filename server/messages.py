@@ -2,10 +2,13 @@
 
 Gateway -> worker (ZMQ DEALER -> ROUTER):
     {"op": "ping"}                                             -> {"op": "pong", ...load...}
-    {"op": "reserve", "rid", "prompt_ids", "params", "lease_s"}  (decode) -> {"op": "reserved", "rid", "state_addr"}
-    {"op": "prefill", "rid", "prompt_ids", "params", "dest"}     (prefill) -> {"op": "first", ...} then
-                                                                  {"op": "transferred", ...}
+    {"op": "reserve", "rid", "prompt_ids", "params", "lease_s"[, "deadline_s"]}
+                                                       (decode) -> {"op": "reserved", "rid", "state_addr"}
+    {"op": "prefill", "rid", "prompt_ids", "params", "dest"[, "deadline_s"]}
+                                                       (prefill) -> {"op": "first", ...} then {"op": "transferred", ...}
     {"op": "abort", "rid"}
+``deadline_s``: seconds the sample may still run (the request's deadline); past it the worker
+aborts the sample and answers ``error`` 504.
 Worker -> gateway:
     {"op": "out", "items": [{"rid", "ids", "lps", "done", "reason"}]}   decode, once per step
     {"op": "error", "rid", "status", "message"}                         any failure of a sample's leg
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+import zmq
 
 from engine.sampling import Sampled, SamplingParams
 
@@ -76,3 +80,24 @@ def check_ids(v, field: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
         raise MessageError(f"{field}: expected a list of ints")
     return v
+
+
+def check_deadline(msg: dict) -> float | None:
+    """``msg["deadline_s"]`` (seconds left, > 0) or None. Raises MessageError."""
+    v = msg.get("deadline_s")
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 1e7:
+        raise MessageError("deadline_s: expected seconds in (0, 1e7]")
+    return float(v)
+
+
+def set_heartbeat(sock: zmq.Socket, timeout_s: float) -> None:
+    """ZMTP 3.1 heartbeats on ``sock`` (libzmq answers them on its I/O thread, so a worker inside a
+    long engine step still answers): a peer silent for ``timeout_s`` (killed, stopped,
+    unreachable) has its connection dropped, which the socket monitor reports as disconnected."""
+    ms = max(100, int(timeout_s * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, ms // 4))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(ms, 6_553_500))
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(ms, 2000))

@@ -20,7 +20,7 @@ from engine.sequence import FinishReason, RequestOutput
 from kvtransfer.pusher import Pusher
 from kvtransfer.transport import make_sender
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
-from server.messages import MessageError, check_ids, pack_sampled, params_from_dict
+from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 from server.worker import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class PrefillWorker(Worker):
         self.jobs: dict[str, _Job] = {}
         self.num_layers = len(engine.model.layers)
         self.pusher = Pusher(lambda: make_sender(opts.transport, self.fingerprint, self.layout,
-                                                 f"prefill-{self.instance_id}"), opts.transfer_timeout_s)
+                                                 f"prefill-{self.instance_id}", secret=opts.cluster_secret),
+                             opts.transfer_timeout_s)
         engine.on_layer_final = self._on_layer_final
 
     # ---- requests ------------------------------------------------------------------------------
@@ -55,6 +56,10 @@ class PrefillWorker(Worker):
         if op == "abort":
             self._abort(rid)
         elif op == "prefill":
+            if self.draining:
+                self.reply(identity, {"op": "error", "rid": rid, "status": 503,
+                                      "message": "prefill worker is draining (shutting down)"})
+                return
             self._prefill(identity, rid, msg)
         else:
             raise MessageError(f"op: {op!r} is not a prefill operation")
@@ -64,6 +69,7 @@ class PrefillWorker(Worker):
         dest = msg.get("dest")
         if not isinstance(dest, str) or not dest:
             raise MessageError("dest: expected the decode reservation's state address")
+        deadline_s = check_deadline(msg)
         try:
             params = params_from_dict(msg.get("params"))
             one = dataclasses.replace(params, max_new_tokens=1)
@@ -76,6 +82,19 @@ class PrefillWorker(Worker):
             self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             return
         self.jobs[rid] = _Job(identity, dest, params, len(prompt))
+        self.track_deadline(rid, deadline_s)
+
+    def on_deadline(self, rid: str) -> None:
+        job = self.jobs.get(rid)
+        if job is not None and not job.first_sent:       # after token #1 decode's lease governs
+            self._fail(rid, job, 504, "the request's deadline passed (timeout) on the prefill worker")
+
+    def busy(self) -> bool:
+        return bool(self.jobs) or self.engine.has_unfinished()
+
+    def abort_all(self, status: int, message: str) -> None:
+        for rid, job in list(self.jobs.items()):
+            self._fail(rid, job, status, message)
 
     def _abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)

@@ -3,10 +3,22 @@
 Per sample: the least-loaded healthy decode instance reserves state (``reserve``), then the
 least-loaded healthy prefill instance prefills with the reservation as destination
 (``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
-(client gone, stop string) aborts both legs. Instances are pinged every ``health_interval_s``;
-one that has left ``health_timeout_s / health_interval_s`` pings unanswered (or says it is not
-ready) gets no new samples. Workers answer between engine steps, so the timeout must exceed the
-longest step (a long prefill).
+(client gone, stop string, deadline) aborts both legs.
+
+Two health signals per instance:
+
+- liveness: ZMTP heartbeats (libzmq's I/O threads answer them even while a worker is inside a
+  long engine step) and the socket monitor. A worker killed (connection closed) or stopped (no
+  heartbeat answer within ``worker_timeout_s``) is *disconnected* at once: every sample with a
+  leg on it is failed or retried, and it gets no new samples until it is connected again.
+- load and readiness: ``ping`` -> ``pong`` (the ``/ready`` body, answered between engine steps).
+  An instance that is not ready (starting, draining), or whose last ``health_timeout_s`` of pings
+  went unanswered, gets no new samples. A new ``instance_id`` in a pong means the process behind the
+  address restarted: legs on the old process are lost.
+
+A sample whose prefill or decode instance is lost before token #1 reaches the client is retried
+from the reservation on (a new transfer id, ``max_retries`` times); after token #1 it ends with
+an error event (a decode that dies mid-stream cannot be resumed without recomputing).
 """
 from __future__ import annotations
 
@@ -19,9 +31,11 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
+from kvtransfer.secure import cluster_keys, secure_client
 from server.backend import BackendError, GenRequest, TokenEvent
-from server.messages import MessageError, pack, params_to_dict, unpack, unpack_sampled
+from server.messages import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +65,12 @@ class Instance:
     load: dict = field(default_factory=dict)
     unanswered: int = 1 << 30         # pings sent since its last message (counted by the pinger, so a
     inflight: int = 0                 # busy gateway loop cannot make a live instance look stale)
+    connected: bool = False           # ZMTP handshake done and heartbeats answered
+    instance_id: str | None = None    # of the process behind addr (a new one: it restarted)
+    legs: set[str] = field(default_factory=set)     # transfer ids with a leg here
 
     def healthy(self, max_unanswered: int) -> bool:
-        return bool(self.load.get("ready")) and self.unanswered <= max_unanswered
+        return self.connected and bool(self.load.get("ready")) and self.unanswered <= max_unanswered
 
     def score(self) -> float:
         ld = self.load
@@ -63,32 +80,57 @@ class Instance:
         return self.inflight + ld.get("waiting", 0)
 
 
+class _Lost(Exception):
+    """A leg's instance died or restarted before token #1 reached the client: retry the sample."""
+
+
 class PDBackend:
-    """Implements ``server.backend.Backend`` over prefill / decode workers."""
+    """Implements ``server.backend.Backend`` over prefill / decode workers.
+
+    Args:
+        prefill_addrs / decode_addrs: ``host:port`` of each instance's request endpoint.
+        lease_s: decode reservation lease (s).
+        queue_timeout_s / first_token_timeout_s / token_timeout_s: longest wait for a reservation,
+            for token #1, and between later tokens (s); each fails the sample with 504.
+        worker_timeout_s: a worker that answers no heartbeat for this long is disconnected and its
+            samples failed (or retried); also the ZMTP handshake timeout (s).
+        health_interval_s / health_timeout_s: ping period; pings unanswered for this long (a worker
+            stuck inside one engine step) take the instance out of routing.
+        max_retries: attempts after the first when an instance is lost before token #1.
+        cluster_secret: the cluster's shared secret (None: plain ZMQ): CURVE to the workers.
+    """
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str], lease_s: float = 60.0,
                  queue_timeout_s: float = 600.0, first_token_timeout_s: float = 600.0,
-                 token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0):
+                 token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0,
+                 worker_timeout_s: float = 5.0, max_retries: int = 2, cluster_secret: str | None = None):
         if not prefill_addrs or not decode_addrs:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
+        if worker_timeout_s <= 0:
+            raise ValueError("worker_timeout_s: must be > 0 seconds")
         self.ctx = zmq.asyncio.Context()
+        self.worker_timeout_s, self.keys = worker_timeout_s, cluster_keys(cluster_secret)
         self.instances = [self._connect(r, a) for r, addrs in (("prefill", prefill_addrs), ("decode", decode_addrs))
                           for a in addrs]
         self.lease_s, self.queue_timeout_s = lease_s, queue_timeout_s
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.max_retries = max_retries
         self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
         self._streams: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
-        self._ready = asyncio.Event()
+        self.counters = {"retries": 0, "lost_legs": 0}
 
     def _connect(self, role: str, addr: str) -> Instance:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IMMEDIATE, 1)          # no queueing towards an instance that is not connected
         s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        s.connect(f"tcp://{addr}")
-        return Instance(role, addr, s)
+        set_heartbeat(s, self.worker_timeout_s)
+        s.setsockopt(zmq.RECONNECT_IVL, 100)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        secure_client(s, self.keys)              # no-op without a secret
+        return Instance(role, addr, s)            # connected in start(), once its monitor listens
 
     @property
     def max_model_len(self) -> int:
@@ -97,7 +139,12 @@ class PDBackend:
 
     async def start(self) -> None:
         for inst in self.instances:
+            mon = inst.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            self._tasks.append(asyncio.create_task(self._monitor(inst, mon)))
             self._tasks.append(asyncio.create_task(self._reader(inst)))
+            inst.sock.connect(f"tcp://{inst.addr}")
         self._tasks.append(asyncio.create_task(self._pinger()))
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -116,6 +163,8 @@ class PDBackend:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for inst in self.instances:
+            with contextlib.suppress(zmq.ZMQError):
+                inst.sock.disable_monitor()
             inst.sock.close(0)
         self.ctx.term()
 
@@ -123,7 +172,7 @@ class PDBackend:
         h = {r: [i.addr for i in self.instances if i.role == r and i.healthy(self._max_unanswered)]
              for r in ("prefill", "decode")}
         return {"healthy": bool(h["prefill"] and h["decode"]), "healthy_prefill": h["prefill"],
-                "healthy_decode": h["decode"]}
+                "healthy_decode": h["decode"], **self.counters}
 
     # ---- I/O tasks ------------------------------------------------------------------------------
     async def _pinger(self) -> None:
@@ -139,6 +188,36 @@ class PDBackend:
                     await inst.sock.send(ping, zmq.NOBLOCK)
             await asyncio.sleep(self.health_interval_s)
 
+    async def _monitor(self, inst: Instance, mon) -> None:
+        try:
+            while True:
+                ev = parse_monitor_message(await mon.recv_multipart())
+                e = ev["event"]
+                if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    inst.connected = True
+                    log.info("gateway: %s %s connected", inst.role, inst.addr)
+                elif e == zmq.EVENT_DISCONNECTED and inst.connected:
+                    inst.connected = False
+                    inst.load = {}                  # ready again only when it answers a ping
+                    self._lose(inst, "disconnected (killed, stopped or unreachable)")
+                elif e in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                    log.error("gateway: %s %s refused the connection (cluster secret differs?)", inst.role, inst.addr)
+        finally:
+            mon.close(0)
+
+    def _lose(self, inst: Instance, why: str) -> None:
+        legs, inst.legs = inst.legs, set()
+        if legs:
+            log.warning("gateway: %s %s %s: %d samples affected", inst.role, inst.addr, why, len(legs))
+        loop = asyncio.get_running_loop()
+        for tid in legs:
+            q = self._streams.get(tid)
+            if q is not None:
+                self.counters["lost_legs"] += 1
+                # after what the worker sent before it went (an error, the last tokens): the reader
+                # task delivers those first
+                loop.call_later(0.1, q.put_nowait, ("lost", {"role": inst.role, "addr": inst.addr, "why": why}))
+
     async def _reader(self, inst: Instance) -> None:
         while True:
             frame = await inst.sock.recv()
@@ -150,6 +229,10 @@ class PDBackend:
             op = msg["op"]
             inst.unanswered = 0                     # any message: its loop is alive (pings wait for a step)
             if op == "pong":
+                iid = msg.get("instance_id")
+                if inst.instance_id is not None and iid != inst.instance_id:
+                    self._lose(inst, f"restarted (instance {inst.instance_id} -> {iid})")
+                inst.instance_id = iid
                 inst.load = msg
             elif op == "out":
                 for item in msg.get("items") or []:
@@ -172,37 +255,73 @@ class PDBackend:
         except (zmq.Again, zmq.ZMQError) as e:
             raise BackendError(f"{inst.role} instance {inst.addr} is unreachable ({e})", 503) from None
 
-    async def _get(self, q: asyncio.Queue, timeout: float, what: str):
+    async def _get(self, q: asyncio.Queue, timeout: float, what: str, deadline: float | None):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < timeout:
+            try:
+                return await asyncio.wait_for(q.get(), max(0.0, left))
+            except asyncio.TimeoutError:
+                raise BackendError("the request's deadline passed (timeout) while waiting for " + what,
+                                   504) from None
         try:
             return await asyncio.wait_for(q.get(), timeout)
         except asyncio.TimeoutError:
             raise BackendError(f"timed out after {timeout:g} s waiting for {what}", 504) from None
 
     async def generate(self, req: GenRequest) -> AsyncIterator[TokenEvent]:
-        rid = req.request_id
-        if rid in self._streams:
-            raise BackendError(f"request id {rid!r} is in use", 400)
+        """The sample's token events. Raises BackendError (400 bad request, 429 decode queue full,
+        502 a worker failed, 503 no healthy instance, 504 a timeout or the request's deadline)."""
+        if req.request_id in self._streams:
+            raise BackendError(f"request id {req.request_id!r} is in use", 400)
+        try:
+            pack({"prompt_ids": req.prompt_ids, "params": params_to_dict(req.params)})
+        except (OverflowError, ValueError, TypeError) as e:     # e.g. an integer beyond 64 bits
+            raise BackendError(f"a request field does not fit the worker protocol: {e}", 400) from None
+        attempt = 0
+        while True:
+            tid = req.request_id if attempt == 0 else f"{req.request_id}~retry{attempt}"   # ids never reused
+            inner = self._sample(req, tid)
+            try:
+                async for ev in inner:
+                    yield ev
+                return
+            except _Lost as e:
+                attempt += 1
+                if attempt > self.max_retries:
+                    raise BackendError(f"{e} (gave up after {attempt} attempts)", 502) from None
+                self.counters["retries"] += 1
+                log.warning("gateway: sample %s: %s; retrying (attempt %d)", req.request_id, e, attempt + 1)
+            finally:
+                await inner.aclose()
+
+    async def _sample(self, req: GenRequest, rid: str) -> AsyncIterator[TokenEvent]:
+        """One attempt under transfer id ``rid``. Raises _Lost before its first event if an instance
+        of its legs is lost, BackendError otherwise."""
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
+        deadline = req.deadline
         dec = self._pick("decode")
         if dec is None or self._pick("prefill") is None:
             del self._streams[rid]
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
         pre = dec                        # until prefill is picked (after the reservation)
         dec.inflight += 1
+        dec.legs.add(rid)
         legs = [dec]
-        finished = False
+        finished = yielded = pre_done = False
         params = params_to_dict(req.params)
-        try:
-            pack({"prompt_ids": req.prompt_ids, "params": params})
-        except (OverflowError, ValueError, TypeError) as e:     # e.g. an integer beyond 64 bits
-            del self._streams[rid]
-            dec.inflight -= 1
-            raise BackendError(f"a request field does not fit the worker protocol: {e}", 400) from None
+        left = {} if deadline is None else {"deadline_s": max(0.001, deadline - time.monotonic())}
+
+        def lost(msg: dict) -> Exception:
+            what = f"{msg['role']} instance {msg['addr']} {msg['why']}"
+            return _Lost(what) if not yielded else BackendError(what + " mid-stream", 502)
         try:
             await self._send(dec, {"op": "reserve", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,
-                                   "lease_s": self.lease_s})
-            op, msg = await self._get(q, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)")
+                                   "lease_s": self.lease_s, **left})
+            op, msg = await self._get(q, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
+                                      deadline)
+            if op == "lost":
+                raise lost(msg)
             if op != "reserved":
                 raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
             picked = self._pick("prefill")    # chosen now: the least loaded when the state has a place
@@ -211,13 +330,18 @@ class PDBackend:
             pre = picked
             legs.append(pre)
             pre.inflight += 1
+            pre.legs.add(rid)
+            if deadline is not None:
+                left["deadline_s"] = max(0.001, deadline - time.monotonic())
             await self._send(pre, {"op": "prefill", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,
-                                   "dest": msg["state_addr"]})
+                                   "dest": msg["state_addr"], **left})
             early = []                 # decode's tokens can overtake prefill's reply (two sockets)
             while True:
-                op, msg = await self._get(q, self.first_token_timeout_s, f"prefill {pre.addr}")
+                op, msg = await self._get(q, self.first_token_timeout_s, f"prefill {pre.addr}", deadline)
                 if op == "first":
                     break
+                if op == "lost":
+                    raise lost(msg)
                 if op == "error":
                     raise BackendError(msg.get("message", "prefill failed"), int(msg.get("status", 502)))
                 if op == "out":
@@ -225,20 +349,33 @@ class PDBackend:
             pre.inflight -= 1
             legs.remove(pre)
             tok = msg["id"]
+            yielded = True
             yield TokenEvent([tok], unpack_sampled([tok], msg.get("lps")), bool(msg["done"]), msg.get("reason"),
                              len(req.prompt_ids), msg.get("queue_s"))
             if msg["done"]:                  # token #1 ended it: free decode's reservation now
                 finished = True
+                pre.legs.discard(rid)
                 with contextlib.suppress(BackendError):
                     await self._send(dec, {"op": "abort", "rid": rid})
                 return
             pending = list(early)
+            grace = None            # prefill lost after token #1: decode may still have the commit
             while True:
                 if pending:
                     op, msg = "out", pending.pop(0)
+                elif grace is not None:
+                    try:
+                        op, msg = await self._get(q, max(0.0, grace[0] - time.monotonic()), "", deadline)
+                    except BackendError as e:
+                        if e.status != 504 or "deadline" in str(e):
+                            raise
+                        raise lost(grace[1]) from None
                 else:
-                    op, msg = await self._get(q, self.token_timeout_s, f"decode {dec.addr}")
+                    op, msg = await self._get(q, self.token_timeout_s, f"decode {dec.addr}", deadline)
                 if op == "out":
+                    if not pre_done:             # decode runs it: the state was committed
+                        pre_done, grace = True, None
+                        pre.legs.discard(rid)
                     ids = list(msg.get("ids") or [])
                     yield TokenEvent(ids, unpack_sampled(ids, msg.get("lps")), bool(msg.get("done")),
                                      msg.get("reason"), len(req.prompt_ids))
@@ -247,12 +384,24 @@ class PDBackend:
                         return
                 elif op == "error":
                     raise BackendError(msg.get("message", "decode failed"), int(msg.get("status", 502)))
-                # "transferred" from prefill: informational
+                elif op == "lost":
+                    if msg["role"] == "prefill" and pre_done:
+                        continue
+                    if msg["role"] == "prefill":    # wait briefly for decode's first tokens
+                        grace = (time.monotonic() + self.worker_timeout_s, msg)
+                        continue
+                    raise lost(msg)
+                elif op == "transferred" and not pre_done:
+                    pre_done, grace = True, None
+                    pre.legs.discard(rid)
         finally:
             self._streams.pop(rid, None)
+            dec.legs.discard(rid)
+            pre.legs.discard(rid)
             for inst in legs:
                 inst.inflight -= 1
             if not finished:
                 for inst in {id(i): i for i in (dec, pre)}.values():
                     with contextlib.suppress(BackendError):
                         await self._send(inst, {"op": "abort", "rid": rid})
+

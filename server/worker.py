@@ -3,9 +3,17 @@
 
 One thread runs the loop (requests in, one engine step, outputs out), as in nano-vllm / vLLM's
 engine core; the HTTP server runs on a daemon thread and only reads.
+
+Liveness towards the gateway is ZMTP heartbeats (``messages.set_heartbeat``), answered by
+libzmq's I/O thread even during a long step. ``begin_drain`` (SIGTERM) turns ``/ready`` false
+and refuses new samples with 503; the loop ends once in-flight samples finish, or at
+``drain_timeout_s`` after aborting the rest with an error. A sample's ``deadline_s`` is enforced
+here too (504), so a lost abort from the gateway cannot keep state forever.
 """
 from __future__ import annotations
 
+import heapq
+import hmac
 import logging
 import socket
 import threading
@@ -15,13 +23,14 @@ from dataclasses import dataclass
 
 import uvicorn
 import zmq
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import RequestOutput
+from kvtransfer.secure import secure_server
 from kvtransfer.wire import model_fingerprint
-from server.messages import MessageError, pack, unpack
+from server.messages import MessageError, pack, set_heartbeat, unpack
 from server.metrics import CONTENT_TYPE, WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -42,6 +51,9 @@ class WorkerOptions:
     max_queued: int = 1024           # decode: samples waiting for a reservation (then 429)
     model_name: str = "deepseek-v4"
     advertise_host: str | None = None  # decode: the host in the state address (None: ``host``)
+    heartbeat_timeout_s: float = 5.0   # a silent gateway connection is dropped after this
+    drain_timeout_s: float = 30.0      # SIGTERM: in-flight samples get this long, then are aborted
+    cluster_secret: str | None = None  # CURVE on every ZMQ socket, and HTTP needs "Bearer <secret>"
 
 
 def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
@@ -68,11 +80,18 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        set_heartbeat(self.sock, opts.heartbeat_timeout_s)
+        secure_server(self.sock, opts.cluster_secret)     # before bind; no-op without a secret
         self.sock.bind(f"tcp://{opts.host}:{opts.port}")
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.stop = threading.Event()
         self.ready = False
+        self.draining = False
+        self._drain_deadline = float("inf")
+        self._deadlines: list[tuple[float, str]] = []      # heap of (monotonic deadline, rid)
+        self._bad_requests = 0
+        self._last_bad_log = 0.0
         self._http: uvicorn.Server | None = None
 
     # ---- subclass hooks ----------------------------------------------------------------------
@@ -87,6 +106,43 @@ class Worker:
 
     def extra_load(self) -> dict:
         return {}
+
+    def busy(self) -> bool:
+        """Samples in flight (drain waits for them)."""
+        return self.engine.has_unfinished()
+
+    def abort_all(self, status: int, message: str) -> None:
+        """Fail every sample in flight with ``error`` (drain deadline)."""
+
+    def on_deadline(self, rid: str) -> None:
+        """``rid``'s deadline passed: abort it with 504 if it still runs."""
+
+    # ---- deadlines and drain -----------------------------------------------------------------
+    def track_deadline(self, rid: str, deadline_s: float | None) -> None:
+        if deadline_s is not None:
+            heapq.heappush(self._deadlines, (time.monotonic() + deadline_s, rid))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            self.on_deadline(heapq.heappop(self._deadlines)[1])
+
+    def begin_drain(self, timeout_s: float | None = None) -> None:
+        """Stop admitting (``/ready`` 503, new samples 503); ``run`` returns when idle or at the
+        deadline. Safe from a signal handler."""
+        if not self.draining:
+            self._drain_deadline = time.monotonic() + (self.opts.drain_timeout_s if timeout_s is None else timeout_s)
+            self.draining = True
+            self.ready = False
+            log.info("%s: draining (up to %g s)", self.role, self._drain_deadline - time.monotonic())
+
+    def _bad_request(self, what: str) -> None:
+        """Log bad requests at most once per 10 s (a fuzzer must not flood the log)."""
+        self._bad_requests += 1
+        now = time.monotonic()
+        if now - self._last_bad_log >= 10:
+            log.warning("%s: bad request: %s (%d bad requests so far)", self.role, what, self._bad_requests)
+            self._last_bad_log = now
 
     # ---- plumbing ------------------------------------------------------------------------------
     def reply(self, identity: bytes, msg: dict) -> bool:
@@ -115,7 +171,7 @@ class Worker:
             except zmq.Again:
                 return
             if len(parts) != 2:
-                log.warning("%s: dropped a %d-frame request", self.role, len(parts))
+                self._bad_request(f"a {len(parts) - 1}-frame message")
                 continue
             identity, frame = parts
             try:
@@ -125,7 +181,7 @@ class Worker:
                 else:
                     self.handle(identity, msg)
             except MessageError as e:
-                log.warning("%s: bad request: %s", self.role, e)
+                self._bad_request(str(e))
                 rid = msg.get("rid") if isinstance(locals().get("msg"), dict) else None
                 self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
                                       "message": str(e)})
@@ -139,14 +195,21 @@ class Worker:
 
     def run(self) -> None:
         """The loop: requests, role work, one engine step, outputs. Returns when ``stop`` is set."""
-        self.ready = True
+        self.ready = not self.draining
         last_gauges = 0.0
         try:
             while not self.stop.is_set():
                 busy = self.engine.has_unfinished()
                 if self.poller.poll(0 if busy else self.opts.idle_poll_ms):
                     self._drain_requests()
+                if self._deadlines:
+                    self._expire()
                 self.tick()
+                if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
+                    if self.busy():
+                        self.abort_all(503, f"the {self.role} worker shut down (drain deadline)")
+                    log.info("%s: drained", self.role)
+                    return
                 if self.engine.has_unfinished():
                     self.on_outputs(self.engine.step())
                 now = time.monotonic()
@@ -158,7 +221,16 @@ class Worker:
 
     # ---- HTTP --------------------------------------------------------------------------------
     def http_app(self) -> FastAPI:
-        app = FastAPI(title=f"dsv4-pd {self.role} worker", docs_url=None, redoc_url=None)
+        secret = self.opts.cluster_secret
+
+        async def auth(request: Request) -> None:
+            if secret is not None:
+                given = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(given, b"Bearer " + secret.encode()):
+                    raise HTTPException(401, "missing or wrong cluster secret")
+
+        app = FastAPI(title=f"dsv4-pd {self.role} worker", docs_url=None, redoc_url=None, openapi_url=None,
+                      dependencies=[Depends(auth)])
 
         @app.get("/health")
         def health():
@@ -190,4 +262,4 @@ class Worker:
         self.stop.set()
         if self._http is not None:
             self._http.should_exit = True
-        self.sock.close(0)
+        self.sock.close(linger=1000)     # flush the last replies (a drained worker's final ones)

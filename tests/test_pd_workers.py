@@ -165,7 +165,7 @@ def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference,
         prompt = _prompts([130], seed=3)[0]
         state = _state(reference, prompt)
         params = params_to_dict(SamplingParams(max_new_tokens=4, temperature=0.0, seed=1))
-        dest = pd.decode.receiver.address
+        dest = pd.decode.state_addr
         e = pd.decode.engine
         total = e.num_total_blocks()
 

@@ -1,0 +1,244 @@
+"""Faults with real ``launch-pd`` processes (2 prefill, 2 decode, gateway) on loopback: kill -9,
+restart behind the same address, SIGSTOP / SIGCONT. What the ``openai`` client sees is asserted
+(the right tokens after a retry, or a terminal error event within a bound), and afterwards every
+worker holds no state (free blocks == total, nothing reserved) and serves again.
+
+The README's fault table lists these cases; the timeouts here are short (``--worker-timeout-s 2``).
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from openai import OpenAI
+
+from engine.build import build_engine
+from engine.run_config import RunConfig
+from engine.sampling import SamplingParams
+from server.launcher import LocalPD, log_tail
+
+CONFIG = "configs/tiny-flash.yaml"
+WORKER_TIMEOUT_S = 2.0
+WORKERS = ("prefill0", "prefill1", "decode0", "decode1")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return str(tiny_ckpt("flash", 1))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return build_engine(RunConfig.from_yaml(CONFIG), ckpt, progress=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, tmp_path_factory):
+    log = tmp_path_factory.mktemp("faults") / "pd.log"
+    flags = ["--worker-timeout-s", str(WORKER_TIMEOUT_S), "--cpu-threads", "1", "--transfer-timeout-s", "5",
+             "--lease-s", "10"]
+    pd = LocalPD(CONFIG, ckpt, num_prefill=2, num_decode=2, log_path=str(log),
+                 extra_args={"prefill": flags, "decode": flags, "gateway": flags})
+    try:
+        pd.start(timeout_s=300)
+    except RuntimeError as e:
+        pytest.fail(f"{e}\n{log_tail(log, 40)}")
+    pd.log = log
+    yield pd
+    pd.stop()
+
+
+def _client(pd) -> OpenAI:
+    return OpenAI(base_url=pd.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(1000, 60000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _health(pd) -> dict:
+    return httpx.get(pd.base_url + "/health", timeout=5).json()
+
+
+def _wait_all_healthy(pd, timeout_s: float = 120) -> dict:
+    """Restart what is dead, then wait until the gateway routes to all four workers again."""
+    for name in WORKERS:
+        if pd.procs[name].poll() is not None:
+            pd.restart(name)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            h = _health(pd)
+            if len(h.get("healthy_prefill", [])) == 2 and len(h.get("healthy_decode", [])) == 2:
+                return h
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"workers not healthy again: {_health(pd)}\n{log_tail(pd.log, 30)}")
+
+
+def _wait_idle(pd, names=WORKERS, timeout_s: float = 30) -> None:
+    """Every worker named holds nothing: all blocks free, nothing reserved, running or waiting."""
+    end = time.monotonic() + timeout_s
+    while True:
+        loads = {n: pd.ready(n) for n in names}
+        busy = {n: ld for n, ld in loads.items() if ld["free_blocks"] != ld["total_blocks"] or ld["reserved"]
+                or ld["running"] or ld["waiting"] or ld.get("queued")}
+        if not busy:
+            return
+        if time.monotonic() > end:
+            pytest.fail(f"state not freed: {busy}")
+        time.sleep(0.1)
+
+
+def _busy_worker(pd, role: str, timeout_s: float = 60) -> str:
+    """The ``role`` worker that has a sample (running or waiting), polled via /ready."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for name in (f"{role}0", f"{role}1"):
+            try:
+                ld = pd.ready(name)
+            except httpx.HTTPError:
+                continue
+            if ld["running"] or ld["waiting"]:
+                return name
+        time.sleep(0.005)
+    pytest.fail(f"no {role} worker picked the sample up")
+
+
+def _stream_ids(stream, on_tokens=None):
+    ids = []
+    for chunk in stream:
+        for ch in chunk.choices:
+            ids += (ch.model_extra or {}).get("token_ids") or []
+        if on_tokens is not None:
+            on_tokens(len(ids))
+    return ids
+
+
+def _complete(pd, prompt, max_tokens, seed, on_tokens=None):
+    stream = _client(pd).completions.create(
+        model="deepseek_v4", prompt=prompt, max_tokens=max_tokens, temperature=0.8, seed=seed, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    return _stream_ids(stream, on_tokens)
+
+
+def _expected(reference, prompt, max_tokens, seed):
+    p = SamplingParams(max_new_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
+    return reference.generate([prompt], p)[0].output_ids
+
+
+class _InBackground:
+    """Runs ``fn`` on a thread; ``result()`` returns its value or raises its exception."""
+
+    def __init__(self, fn):
+        self.value = self.error = None
+        self.done_at = None
+        self._t = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._t.start()
+
+    def _run(self, fn):
+        try:
+            self.value = fn()
+        except Exception as e:
+            self.error = e
+        self.done_at = time.monotonic()
+
+    def result(self, timeout_s: float = 120):
+        self._t.join(timeout_s)
+        assert not self._t.is_alive(), "the request did not end"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_decode_killed_mid_stream_gets_an_error_event_then_routing_recovers(cluster, reference):
+    _wait_all_healthy(cluster)
+    seen = {"n": 0}
+    bg = _InBackground(lambda: _complete(cluster, _prompt(50, 1), 3000, 1, lambda n: seen.update(n=n)))
+    victim = _busy_worker(cluster, "decode")
+    while seen["n"] < 5:                          # mid-stream: tokens are flowing from decode
+        time.sleep(0.01)
+    t_kill = time.monotonic()
+    cluster.signal(victim, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="decode instance .* mid-stream"):
+        bg.result()
+    assert bg.done_at - t_kill < WORKER_TIMEOUT_S + 3          # a terminal error event, soon
+    h = _health(cluster)
+    assert len(h["healthy_decode"]) == 1 and h["lost_legs"] >= 1
+    # routed around the dead worker: the same answer as the in-process engine
+    prompt = _prompt(60, 2)
+    assert _complete(cluster, prompt, 6, 7) == _expected(reference, prompt, 6, 7)
+    # restarted behind the same address: the gateway takes it back once it is ready
+    _wait_all_healthy(cluster)
+    _wait_idle(cluster, [n for n in WORKERS if n != victim])
+
+
+def test_prefill_killed_mid_prefill_is_retried_on_the_other(cluster, reference):
+    _wait_all_healthy(cluster)
+    retries = _health(cluster)["retries"]
+    prompt = _prompt(4000, 3)                     # two 2048-token chunks: long enough to kill inside
+    bg = _InBackground(lambda: _complete(cluster, prompt, 4, 11))
+    victim = _busy_worker(cluster, "prefill")
+    cluster.signal(victim, signal.SIGKILL)
+    assert bg.result() == _expected(reference, prompt, 4, 11)    # the retry gave the exact answer
+    assert _health(cluster)["retries"] == retries + 1
+    _wait_idle(cluster, [n for n in WORKERS if n != victim])      # the first reservation was released
+
+
+def test_no_prefill_left_is_a_clear_error_and_frees_the_reservation(cluster):
+    _wait_all_healthy(cluster)
+    bg = _InBackground(lambda: _complete(cluster, _prompt(4000, 4), 4, 12))
+    first = _busy_worker(cluster, "prefill")
+    other = "prefill1" if first == "prefill0" else "prefill0"
+    cluster.signal(other, signal.SIGKILL)         # the retry has nowhere to go
+    cluster.signal(first, signal.SIGKILL)
+    with pytest.raises(openai.APIStatusError) as ei:
+        bg.result()
+    assert ei.value.status_code in (502, 503) and "prefill" in str(ei.value)
+    _wait_idle(cluster, ["decode0", "decode1"])
+
+
+def test_decode_restarted_behind_its_address_while_prefill_holds_the_transfer(cluster, reference):
+    h0 = _wait_all_healthy(cluster)
+    ids_before = {n: cluster.ready(n)["instance_id"] for n in ("decode0", "decode1")}
+    prompt = _prompt(4000, 5)
+    bg = _InBackground(lambda: _complete(cluster, prompt, 4, 13))
+    _busy_worker(cluster, "prefill")              # prefill is computing; its destination is a decode
+    victim = next(n for n in ("decode0", "decode1") if cluster.ready(n)["reserved"])
+    cluster.signal(victim, signal.SIGKILL)
+    cluster.restart(victim)                       # same ports, a new instance id
+    assert bg.result() == _expected(reference, prompt, 4, 13)    # retried: nothing landed in a reused slot
+    h = _wait_all_healthy(cluster)
+    assert h["lost_legs"] > h0["lost_legs"]
+    assert cluster.ready(victim)["instance_id"] != ids_before[victim]
+    _wait_idle(cluster)
+
+
+def test_stopped_decode_times_out_then_recovers_after_sigcont(cluster, reference):
+    _wait_all_healthy(cluster)
+    seen = {"n": 0}
+    bg = _InBackground(lambda: _complete(cluster, _prompt(40, 6), 3000, 14, lambda n: seen.update(n=n)))
+    victim = _busy_worker(cluster, "decode")
+    while seen["n"] < 5:
+        time.sleep(0.01)
+    t_stop = time.monotonic()
+    cluster.signal(victim, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.APIError, match="decode instance"):
+            bg.result()
+        assert bg.done_at - t_stop < WORKER_TIMEOUT_S + 3
+        _wait_idle(cluster, ["prefill0", "prefill1"])
+    finally:
+        cluster.signal(victim, signal.SIGCONT)
+    # it recovers: its gateway connection is gone, so it frees the sample; routing takes it back
+    _wait_all_healthy(cluster)
+    _wait_idle(cluster)
+    prompt = _prompt(30, 8)
+    for seed in (1, 2, 3):
+        assert _complete(cluster, prompt, 5, seed) == _expected(reference, prompt, 5, seed)
