@@ -27,6 +27,8 @@ export DECODE_HCCL_BASE_PORT="${DECODE_HCCL_BASE_PORT:-23556}"
 # PREFILL_IPS / DECODE_IPS on a multi-node setup (infer.sh decides). Never exported empty.
 [[ -z "${DSV4_BIND_HOST:-}" ]] || export DSV4_BIND_HOST
 export DSV4_TRANSPORT="${DSV4_TRANSPORT:-zmq-tcp}"          # state transfer: zmq | dist (HCCL/NCCL/gloo p2p)
+# DSV4_CLUSTER_SECRET (>= 16 characters, the same on every node; not exported here): CURVE on every
+# ZMQ connection and a bearer token on worker HTTP. Without it, bind to a private network only.
 
 # ---- CANN toolkit (only where installed) -----------------------------------------------------
 CANN_PATH="${CANN_PATH:-/usr/local/Ascend/ascend-toolkit/latest}"

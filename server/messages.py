@@ -60,7 +60,10 @@ def params_from_dict(d) -> SamplingParams:
     unknown = set(d) - names
     if unknown:
         raise MessageError(f"params: unknown fields {sorted(unknown)[:4]}")
-    return SamplingParams(**d)
+    try:
+        return SamplingParams(**d)
+    except (TypeError, OverflowError) as e:       # a value of the wrong type
+        raise MessageError(f"params: {e}") from None
 
 
 def pack_sampled(s: list[Sampled] | None) -> list | None:

@@ -174,17 +174,20 @@ class Worker:
                 self._bad_request(f"a {len(parts) - 1}-frame message")
                 continue
             identity, frame = parts
+            msg = None
             try:
                 msg = unpack(frame)
                 if msg["op"] == "ping":
                     self.reply(identity, self.load())
                 else:
                     self.handle(identity, msg)
-            except MessageError as e:
-                self._bad_request(str(e))
-                rid = msg.get("rid") if isinstance(locals().get("msg"), dict) else None
+            except Exception as e:       # MessageError; anything else is a bug, but must not end the loop
+                if not isinstance(e, MessageError) and time.monotonic() - self._last_bad_log >= 10:
+                    log.exception("%s: request %s failed", self.role, str(msg)[:200])
+                self._bad_request(f"{type(e).__name__}: {e}")
+                rid = msg.get("rid") if isinstance(msg, dict) else None
                 self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
-                                      "message": str(e)})
+                                      "message": f"{e}"[:1000]})
 
     def _update_gauges(self) -> None:
         e, m = self.engine, self.metrics

@@ -469,3 +469,29 @@ def test_sender_in_another_process(net, kind):
             p.wait()
     assert p.returncode == 0, err
     assert out.split() == ["OK", str(rx.stats["bytes"]), "done"]
+
+
+@pytest.mark.parametrize("kind", ["zmq-tcp"])
+def test_destination_names_its_receiver_so_a_restarted_one_is_refused(net, kind):
+    """``ADDR#RECEIVER_ID``: delivered only to that receiver; another process at the same endpoint
+    (a restarted decode) is refused at handshake, and the old connection is dropped. (The check is
+    the ZMQ sender's handshake, which the dist sender shares; dist's broken gloo pair takes ~20 s.)"""
+    port = _free_port()
+    old = net.rx(kind, port=port, receiver_id="decode-old")
+    tx = net.tx(kind)
+    tx.send(f"{old.address}#decode-old", encode_state("t-1", FP, 3, 0, _tensors(1)))
+    assert [len(f) for _, f in old.recv(10.0)]
+    old.close()
+    time.sleep(0.2)
+    new = net.rx(kind, port=port, receiver_id="decode-new")
+    try:                                         # the old connection: refused (reject) or broken
+        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, _tensors(2)))
+    except TransportError:
+        pass
+    assert new.recv(0.5) == []                   # nothing from the old reservation landed
+    tx.poll_replies(0.5)
+    with pytest.raises(TransportError, match="restarted"):   # a new handshake names the other receiver
+        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, _tensors(2)))
+    assert new.recv(0.3) == []
+    tx.send(f"{new.address}#decode-new", encode_state("t-3", FP, 3, 0, _tensors(3)))
+    assert [len(f) for _, f in new.recv(10.0)]
