@@ -18,6 +18,7 @@ token, ITL between token events, TPOT = (e2e - TTFT) / (tokens - 1), request_suc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backend import Backend, BackendError, GenRequest
+from server.body_limit import BodyLimit
 from server.metrics import CONTENT_TYPE, GatewayMetrics
 from server.openai_serving import (ChoiceResult, Job, Piece, Sample, SampleAssembler, TokenStrings, first_chunks,
                                    full_response, piece_chunk, prepare_chat, prepare_completion, usage_chunk)
@@ -55,8 +57,9 @@ class Generation:
     """
 
     def __init__(self, backend: Backend, job: Job, tokenizer, strings: TokenStrings, metrics: GatewayMetrics,
-                 arrival: float):
+                 arrival: float, deadline: float | None = None, on_done=None):
         self.job, self._backend, self._m, self._arrival = job, backend, metrics, arrival
+        self._deadline, self._on_done = deadline, on_done
         self._q: asyncio.Queue = asyncio.Queue()
         self.asms = {s.index: SampleAssembler(job, s, tokenizer, strings) for s in job.samples}
         self._left = len(job.samples)     # tasks still running
@@ -66,6 +69,15 @@ class Generation:
         self.client_gone = False
         metrics.running.inc()
         self._tasks = [asyncio.create_task(self._run(s)) for s in job.samples]
+        for t in self._tasks:                 # a callback: also runs for a task cancelled before it started
+            t.add_done_callback(self._task_done)
+
+    def _task_done(self, _task) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._m.running.dec()
+            if self._on_done is not None:
+                self._on_done(self)
 
     @property
     def completion_tokens(self) -> int:
@@ -77,6 +89,10 @@ class Generation:
             self._cancelled = True
             for t in self._tasks:
                 t.cancel()
+
+    def fail(self, e: Exception) -> None:
+        """End the job with ``e`` (the gateway shuts down): ``next`` raises it, samples are aborted."""
+        self._q.put_nowait((None, e))
 
     def client_left(self) -> None:
         self.client_gone = True
@@ -108,7 +124,8 @@ class Generation:
 
     async def _run(self, s: Sample) -> None:
         asm, m = self.asms[s.index], self._m
-        it = self._backend.generate(GenRequest(s.request_id, self.job.prompts[s.prompt_index], s.params))
+        it = self._backend.generate(GenRequest(s.request_id, self.job.prompts[s.prompt_index], s.params,
+                                               self._deadline))
         first = last = None
         reason = "abort"
         try:
@@ -156,9 +173,7 @@ class Generation:
                     log.exception("closing the stream of %s failed", s.request_id)
             m.success(reason)
             self._q.put_nowait((s, _DONE))
-            self._left -= 1
-            if self._left == 0:
-                m.running.dec()
+
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:
@@ -206,7 +221,8 @@ async def _stream(job: Job, gen: Generation, first: tuple[Sample, Piece], watche
 
 # ---- errors -------------------------------------------------------------------------------------------
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status)
+    retry = {"Retry-After": "1"} if status in (429, 503) else None      # overloaded / draining: come back
+    return JSONResponse(error_body(message, status, param), status_code=status, headers=retry)
 
 
 def _param_of(loc: Sequence) -> str | None:
@@ -235,7 +251,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 # ---- the app ------------------------------------------------------------------------------------------
 def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128,
                api_keys: Sequence[str] | None = None, metrics: GatewayMetrics | None = None,
-               manage_backend: bool = True) -> FastAPI:
+               manage_backend: bool = True, max_pending: int = 4096,
+               request_timeout_s: float | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
     """The gateway app.
 
     Args:
@@ -246,6 +263,18 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         api_keys: if given, /v1/* need ``Authorization: Bearer <key>`` (else 401).
         metrics: the ``GatewayMetrics`` to record into (a new one by default; ``app.state.metrics``).
         manage_backend: start the backend on startup and close it on shutdown.
+        max_pending: most samples in flight in this gateway; a request that would exceed it gets
+            429 with Retry-After (a bounded queue: the workers' queues are bounded too).
+        request_timeout_s: default deadline of a request (s; None: none). A request may ask for a
+            shorter or longer one with the ``X-Request-Timeout`` header (seconds); past it the
+            request ends with 504 and both workers free its state. A non-streamed request from an
+            openai SDK without either gets its client timeout (``X-Stainless-Read-Timeout``).
+        max_body_bytes: the largest request body (bytes; 32 MiB by default, room for a 1M-token
+            context of text); a larger one gets 413 before it is read (``server.body_limit``).
+
+    ``app.state.drain(timeout_s)`` (SIGTERM, see ``server.gateway_server``): /health answers 503
+    and new requests 503 at once; in-flight requests get ``timeout_s`` to finish, then end with a
+    503 error event.
     """
     metrics = metrics or GatewayMetrics(model_name)
     strings = TokenStrings(tokenizer)
@@ -263,7 +292,22 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
                 await backend.close()
 
     app = FastAPI(title="dsv4-pd gateway", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.state.metrics = metrics
+    app.state.draining = False
+    live: set[Generation] = set()
+
+    async def drain(timeout_s: float) -> None:
+        app.state.draining = True
+        end = time.monotonic() + timeout_s
+        while live and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for g in list(live):
+            g.fail(BackendError("the gateway is shutting down (drain deadline)", 503))
+        end = time.monotonic() + 2.0                 # let the error events go out
+        while live and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+    app.state.drain = drain
 
     async def auth(request: Request) -> None:
         if keys:
@@ -304,8 +348,36 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         if name is not None and name != model_name:
             raise ApiError(f"model: the model `{name}` does not exist (served: `{model_name}`)", 404, "model")
 
-    async def serve(job: Job, request: Request, arrival: float) -> Response:
-        gen = Generation(backend, job, tokenizer, strings, metrics, arrival)
+    def deadline_of(request: Request, arrival: float) -> float | None:
+        h = request.headers.get("x-request-timeout")
+        if h is None:
+            return None if request_timeout_s is None else arrival + request_timeout_s
+        try:
+            v = float(h)
+        except ValueError:
+            v = -1.0
+        if not 0 < v <= 1e7:
+            raise ApiError("X-Request-Timeout: expected seconds in (0, 1e7]", 400, "X-Request-Timeout")
+        return arrival + v
+
+    def admit(request: Request, arrival: float) -> float | None:
+        """The request's deadline. Raises ApiError 503 (draining) or 429 (too many in flight)."""
+        if app.state.draining:
+            raise ApiError("the gateway is shutting down; retry on another replica", 503)
+        return deadline_of(request, arrival)
+
+    async def serve(job: Job, request: Request, arrival: float, deadline: float | None) -> Response:
+        read_timeout = request.headers.get("x-stainless-read-timeout")    # the openai SDKs' own timeout
+        if deadline is None and not job.stream and read_timeout:
+            with contextlib.suppress(ValueError):           # the client gives up then: free the state then
+                if 0 < float(read_timeout) <= 1e7:
+                    deadline = arrival + float(read_timeout)
+        pending = sum(len(g.job.samples) for g in live)
+        if pending + len(job.samples) > max_pending:
+            raise ApiError(f"too many requests in flight ({pending} samples, limit {max_pending}); retry later",
+                           429)
+        gen = Generation(backend, job, tokenizer, strings, metrics, arrival, deadline, on_done=live.discard)
+        live.add(gen)
         watcher = asyncio.create_task(_watch_disconnect(request, gen))
         handed_over = False
         try:
@@ -328,21 +400,23 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         arrival = time.monotonic()
+        deadline = admit(request, arrival)
         check_model(req.model)
         check_utf8(req.messages, "messages")
         check_utf8(req.tools, "tools")
         check_utf8(req.stop, "stop")
         job = await asyncio.to_thread(prepare_chat, req, tokenizer, model_name, backend.max_model_len, max_n)
-        return await serve(job, request, arrival)
+        return await serve(job, request, arrival, deadline)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.monotonic()
+        deadline = admit(request, arrival)
         check_model(req.model)
         check_utf8(req.prompt, "prompt")
         check_utf8(req.stop, "stop")
         job = await asyncio.to_thread(prepare_completion, req, tokenizer, model_name, backend.max_model_len, max_n)
-        return await serve(job, request, arrival)
+        return await serve(job, request, arrival, deadline)
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
@@ -352,6 +426,8 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
 
     @app.get("/health")
     async def health():
+        if app.state.draining:
+            return JSONResponse({"healthy": False, "draining": True}, status_code=503)
         try:
             h = await backend.health()
         except Exception as e:

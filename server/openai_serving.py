@@ -28,7 +28,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.parsers import OutputParser
 from engine.sampling import MAX_LOGPROBS, Sampled, SamplingError, SamplingParams
 from server.backend import TokenEvent
-from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from server.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError, ChatCompletionRequest, CompletionRequest
 
 _U64 = 1 << 64
 _MIN_LOGPROB = -9999.0          # JSON has no -inf (vLLM clamps the same way)
@@ -96,10 +96,24 @@ def _common_checks(req, max_n: int) -> None:
         raise ApiError(f"min_tokens: must be >= 0, got {req.min_tokens}", 400, "min_tokens")
     if req.min_tokens > 0:
         raise ApiError("min_tokens: not supported by this server (use 0)", 400, "min_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options: only allowed when stream is true", 400, "stream_options")
     if req.logit_bias:
+        for k, v in req.logit_bias.items():
+            if not k.lstrip("-").isdigit() or int(k) < 0:
+                raise ApiError(f"logit_bias: keys must be token ids, got {k!r}", 400, "logit_bias")
+            if not -100 <= v <= 100:
+                raise ApiError(f"logit_bias: values must be in [-100, 100], got {v} for {k!r}", 400, "logit_bias")
         raise ApiError("logit_bias: not supported by this server", 400, "logit_bias")
     if isinstance(req.stop, list) and not all(isinstance(s, str) for s in req.stop):
         raise ApiError("stop: must be a string or a list of strings", 400, "stop")
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    if len(stops) > MAX_STOP:
+        raise ApiError(f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", 400, "stop")
+    for j, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            f = "stop" if isinstance(req.stop, str) else f"stop[{j}]"
+            raise ApiError(f"{f}: at most {MAX_STOP_CHARS} characters, got {len(s)}", 400, "stop")
 
 
 def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_field: str,
@@ -139,15 +153,108 @@ def _stops(req) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+_MAX_SCHEMA_DEPTH = 32
+_SUBSCHEMA = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _check_schema(node, f: str, depth: int = 0) -> None:
+    """Structural checks of a JSON schema (OpenAI rejects these too); ApiError naming the keyword.
+
+    ``type`` must be a JSON-schema type (or a list of them), the keywords that hold schemas must
+    hold objects (or booleans), ``required`` a list of strings; nesting at most 32 deep.
+    """
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise ApiError(f"{f}: a JSON schema must be an object, got {type(node).__name__}", 400, f)
+    if depth > _MAX_SCHEMA_DEPTH:
+        raise ApiError(f"{f}: JSON schema nested deeper than {_MAX_SCHEMA_DEPTH} levels", 400, f)
+    t = node.get("type")
+    if t is not None:
+        ts = t if isinstance(t, list) else [t]
+        if not ts or not all(isinstance(x, str) and x in _JSON_TYPES for x in ts):
+            raise ApiError(f"{f}.type: must be one of {sorted(_JSON_TYPES)} (or a list of them), got {t!r}", 400,
+                           f"{f}.type")
+    req = node.get("required")
+    if req is not None and not (isinstance(req, list) and all(isinstance(x, str) for x in req)):
+        raise ApiError(f"{f}.required: must be a list of property names", 400, f"{f}.required")
+    for k in _SUBSCHEMA:
+        if k in node:
+            sub = node[k]
+            if k == "items" and isinstance(sub, list):          # draft-4 tuple form
+                for i, x in enumerate(sub):
+                    _check_schema(x, f"{f}.{k}[{i}]", depth + 1)
+            else:
+                _check_schema(sub, f"{f}.{k}", depth + 1)
+    for k in _SCHEMA_LISTS:
+        if k in node:
+            if not isinstance(node[k], list) or not node[k]:
+                raise ApiError(f"{f}.{k}: must be a non-empty list of schemas", 400, f"{f}.{k}")
+            for i, x in enumerate(node[k]):
+                _check_schema(x, f"{f}.{k}[{i}]", depth + 1)
+    for k in _SCHEMA_MAPS:
+        if k in node:
+            if not isinstance(node[k], dict):
+                raise ApiError(f"{f}.{k}: must be an object mapping names to schemas", 400, f"{f}.{k}")
+            for name, x in node[k].items():
+                _check_schema(x, f"{f}.{k}.{name}", depth + 1)
+
+
+def _too_deep(obj, limit: int) -> bool:
+    """Whether ``obj`` (parsed JSON) nests lists / dicts more than ``limit`` deep (iterative)."""
+    stack = [(obj, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            if d >= limit:
+                return True
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
+
+
+def _check_tool(tool, f: str) -> str:
+    """Validate one OpenAI tool (``{"type": "function", "function": {...}}``); its function name.
+
+    Raises:
+        ApiError: 400 naming the field (``tools[0].function.parameters.type`` ...).
+    """
+    if not isinstance(tool, dict):
+        raise ApiError(f"{f}: must be an object", 400, f)
+    if tool.get("type", "function") != "function":
+        raise ApiError(f"{f}.type: must be 'function', got {tool.get('type')!r}", 400, f"{f}.type")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise ApiError(f"{f}.function: must be an object", 400, f"{f}.function")
+    if _too_deep(fn, 2 * _MAX_SCHEMA_DEPTH):
+        raise ApiError(f"{f}.function: nested deeper than {2 * _MAX_SCHEMA_DEPTH} levels", 400, f"{f}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(f"{f}.function.name: must be a non-empty string", 400, f"{f}.function.name")
+    if fn.get("description") is not None and not isinstance(fn["description"], str):
+        raise ApiError(f"{f}.function.description: must be a string", 400, f"{f}.function.description")
+    if fn.get("parameters") is not None:
+        p, pf = fn["parameters"], f"{f}.function.parameters"
+        if not isinstance(p, dict):
+            raise ApiError(f"{pf}: must be a JSON schema object, got {type(p).__name__}", 400, pf)
+        if p.get("type", "object") != "object":
+            raise ApiError(f"{pf}.type: must be 'object' (function parameters are an object), got {p['type']!r}",
+                           400, f"{pf}.type")
+        _check_schema(p, pf)
+    return name
+
+
 def _tools(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
-    """(tools to render, parse tool calls?) from tools / tool_choice; ApiError on a bad choice.
+    """(tools to render, parse tool calls?) from tools / tool_choice; ApiError on a bad tool or choice.
 
     "none" leaves the tools out of the prompt. "required" and a named function are accepted but
     not enforced (no constrained decoding): the output is parsed as with "auto".
     """
     tc, tools = req.tool_choice, req.tools or None
-    names = [t.get("function", {}).get("name") for t in tools or [] if isinstance(t, dict)
-             and isinstance(t.get("function"), dict)]
+    names = [_check_tool(t, f"tools[{j}]") for j, t in enumerate(tools or [])]
     if isinstance(tc, dict):
         fn = tc.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -170,7 +277,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer, model: str, max_model_le
     """Validate a chat request, render + tokenise the prompt once, and build its samples.
 
     Raises:
-        ApiError: 400 naming the field (messages[i]..., max_tokens, top_logprobs, tool_choice, ...).
+        ApiError: 400 naming the field (messages[i]..., max_tokens, top_logprobs, tools[i]..., tool_choice, ...).
     """
     _common_checks(req, max_n)
     if req.echo:

@@ -5,12 +5,69 @@ repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output, skip
 chat_template_kwargs, ...). Unknown fields are accepted and ignored, as vLLM does; a known field of
 the wrong type is a 400 naming the field (``gateway`` turns pydantic errors into ``ApiError``).
 Range checks that need the prompt (max_tokens vs the context) live in ``openai_serving``.
+
+Types are strict, as OpenAI's API is: an integer field refuses ``"2"``, ``2.0`` and ``true``, a
+boolean refuses ``"yes"`` and ``1``, a number refuses strings, booleans, NaN and infinities (an
+integer is a number). Limits (in the OpenAPI schema where static, else ``openai_serving``):
+
+* temperature [0, 2] (OpenAI; the engine itself allows up to 100), top_p (0, 1], top_k >= -1,
+  min_p [0, 1], presence / frequency_penalty [-2, 2], repetition_penalty (0, 100] (vLLM: > 0; the
+  engine's cap);
+* max_tokens / max_completion_tokens >= 1 and prompt + max_tokens <= the context; n >= 1 and
+  n x prompts <= the gateway's ``max_n`` (128 by default, OpenAI's bound); seed in
+  [-2**63, 2**64) (vLLM: a 64-bit integer);
+* top_logprobs and completions ``logprobs`` in [0, 20]: vLLM's default max_logprobs (OpenAI allows
+  only 5 for completions; 20 keeps both endpoints alike and is what the engine returns);
+  top_logprobs needs logprobs=true (OpenAI answers 400 too);
+* stop: at most ``MAX_STOP`` = 16 strings (OpenAI allows 4, vLLM has no bound), each at most
+  ``MAX_STOP_CHARS`` = 1024 characters: streaming holds back text that may start a stop string,
+  so a long one delays output and costs a scan per token;
+* stream_options only with stream=true (OpenAI, vLLM); logit_bias: token-id keys, values in
+  [-100, 100] (OpenAI), then refused as unsupported when non-empty;
+* tools: each ``{"type": "function", "function": {"name": non-empty, "parameters": JSON schema}}``;
+  ``parameters`` is an object schema (OpenAI: top-level ``type`` "object") whose nested ``type`` s
+  are JSON-schema types, schemas nested at most 32 deep (a function at most 64 levels of JSON);
+* the request body is at most ``create_app``'s ``max_body_bytes`` (32 MiB by default: a 1M-token
+  context of text), enforced by ``server.body_limit`` before parsing.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.chat import ROLES
+from engine.sampling import MAX_LOGPROBS
+
+MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+
+# optional fields with their ranges (finite numbers: JSON's NaN / Infinity are refused)
+_Temperature = Annotated[float | None, Field(ge=0, le=2, allow_inf_nan=False)]
+_TopP = Annotated[float | None, Field(gt=0, le=1, allow_inf_nan=False)]
+_MinP = Annotated[float | None, Field(ge=0, le=1, allow_inf_nan=False)]
+_Penalty = Annotated[float | None, Field(ge=-2, le=2, allow_inf_nan=False)]
+_RepetitionPenalty = Annotated[float | None, Field(gt=0, le=100, allow_inf_nan=False)]
+_TopK = Annotated[int | None, Field(ge=-1)]
+_Seed = Annotated[int | None, Field(ge=-(1 << 63), lt=1 << 64)]
+_Logprobs = Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)]
+_MaxTokens = Annotated[int | None, Field(ge=1)]
+
+# OpenAPI documentation of the free-form fields (validated in engine.chat / openai_serving, whose
+# errors name the exact field); nothing here changes what pydantic accepts
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": True, "properties": {
+    "role": {"type": "string", "enum": list(ROLES)},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "reasoning_content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    "tool_calls": {"type": "array", "items": {"type": "object"}},
+    "tool_call_id": {"type": "string"}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": True, "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": True, "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a JSON schema of type 'object'"}}}}}
 
 
 class ApiError(Exception):
@@ -47,7 +104,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False      # vLLM extra: usage on every chunk
 
@@ -55,25 +112,25 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     """Fields shared by both endpoints (OpenAI + vLLM extras)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: _Seed = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    temperature: _Temperature = None
+    top_p: _TopP = None
+    top_k: _TopK = None
+    min_p: _MinP = None
+    presence_penalty: _Penalty = None
+    frequency_penalty: _Penalty = None
+    repetition_penalty: _RepetitionPenalty = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False            # vLLM extra: token_ids (and prompt_token_ids) in the response
@@ -84,12 +141,13 @@ class ChatCompletionRequest(_Sampling):
     """POST /v1/chat/completions. ``messages`` are validated by ``engine.chat`` (ChatError names
     the field). ``max_tokens`` / ``max_completion_tokens`` None: up to the context limit."""
 
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
+    max_tokens: _MaxTokens = None
+    max_completion_tokens: _MaxTokens = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: _Logprobs = None
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"anyOf": [
+        {"type": "array", "items": _TOOL}, {"type": "null"}]})
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -105,8 +163,8 @@ class CompletionRequest(_Sampling):
     the context limit."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: _MaxTokens = 16
+    logprobs: _Logprobs = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -242,3 +242,30 @@ def test_stopped_decode_times_out_then_recovers_after_sigcont(cluster, reference
     prompt = _prompt(30, 8)
     for seed in (1, 2, 3):
         assert _complete(cluster, prompt, 5, seed) == _expected(reference, prompt, 5, seed)
+
+
+def test_decode_stopped_while_holding_a_reservation(cluster, reference):
+    """SIGSTOP on the decode whose reservation prefill is filling: the gateway loses it within
+    --worker-timeout-s and retries on the other decode (exact tokens); prefill's transfer to the
+    stopped one is abandoned and freed; after SIGCONT the stopped one frees its stale reservation
+    (lease / gone gateway connection) and serves again."""
+    _wait_all_healthy(cluster)
+    prompt = _prompt(4000, 9)
+    bg = _InBackground(lambda: _complete(cluster, prompt, 4, 15))
+    end = time.monotonic() + 60
+    victim = None
+    while victim is None and time.monotonic() < end:
+        for name in ("decode0", "decode1"):
+            if cluster.ready(name)["reserved"]:
+                victim = name
+                break
+        time.sleep(0.005)
+    assert victim is not None
+    cluster.signal(victim, signal.SIGSTOP)
+    try:
+        assert bg.result() == _expected(reference, prompt, 4, 15)
+        _wait_idle(cluster, ["prefill0", "prefill1", "decode0" if victim == "decode1" else "decode1"])
+    finally:
+        cluster.signal(victim, signal.SIGCONT)
+    _wait_all_healthy(cluster)
+    _wait_idle(cluster)
