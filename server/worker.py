@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse
 
 from engine.llm_engine import LLMEngine
 from engine.sequence import RequestOutput
-from kvtransfer.secure import secure_server
+from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
 from server.messages import MessageError, pack, set_heartbeat, unpack
 from server.metrics import CONTENT_TYPE, WorkerMetrics
@@ -75,7 +75,7 @@ class Worker:
         self.instance_id = uuid.uuid4().hex[:12]
         self.fingerprint, self.layout = state_fingerprint(engine)
         self.metrics = WorkerMetrics(opts.model_name, self.role)
-        self.ctx = zmq.Context.instance()
+        self.ctx = zmq.Context()         # its own: close() terms it, which flushes the last replies
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -265,4 +265,6 @@ class Worker:
         self.stop.set()
         if self._http is not None:
             self._http.should_exit = True
-        self.sock.close(linger=1000)     # flush the last replies (a drained worker's final ones)
+        self.sock.close(linger=1000)
+        stop_authenticator(self.ctx)
+        self.ctx.term()                  # waits (<= linger) until the last replies are sent
