@@ -168,6 +168,7 @@ def test_decode_killed_mid_stream_gets_an_error_event_then_routing_recovers(clus
     cluster.signal(victim, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="decode instance .* mid-stream"):
         bg.result()
+    print(f"\nkill -9 decode -> error event: {bg.done_at - t_kill:.3f} s")
     assert bg.done_at - t_kill < WORKER_TIMEOUT_S + 3          # a terminal error event, soon
     h = _health(cluster)
     assert len(h["healthy_decode"]) == 1 and h["lost_legs"] >= 1
@@ -232,6 +233,7 @@ def test_stopped_decode_times_out_then_recovers_after_sigcont(cluster, reference
     try:
         with pytest.raises(openai.APIError, match="decode instance"):
             bg.result()
+        print(f"\nSIGSTOP decode -> error event: {bg.done_at - t_stop:.3f} s (worker timeout {WORKER_TIMEOUT_S} s)")
         assert bg.done_at - t_stop < WORKER_TIMEOUT_S + 3
         _wait_idle(cluster, ["prefill0", "prefill1"])
     finally:
