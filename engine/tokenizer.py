@@ -1,6 +1,8 @@
 """The DeepSeek-V4 tokenizer: ``tokenizer.json`` of the checkpoint directory, via ``tokenizers``."""
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -52,6 +54,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids including added special tokens (129280 for DeepSeek-V4)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can cover (its longest vocabulary string; byte-level BPE
+        spells a byte as one character), so a text of C characters has >= C / this many tokens."""
+        return max(1, max(len(t) for t in self._tok.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Text -> ids (special-token strings in ``text`` map to their ids); BOS prepended if asked."""

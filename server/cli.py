@@ -27,6 +27,10 @@ ROLES = ("prefill", "decode", "gateway", "local")
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "dist")
 
 
+def _exit_now(*_) -> NoReturn:
+    raise SystemExit(0)
+
+
 def _die(message: str) -> NoReturn:
     """A usage error: the message names the flag / key / variable; exit status 2 (as argparse)."""
     print(message, file=sys.stderr)
@@ -122,6 +126,14 @@ def _device(name: str) -> str:
     import torch
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        _die(f"launch-pd: --device: {name!r} is not a device ({e})")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _die(f"launch-pd: --device: {name!r}, but this torch build / machine has no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        _die(f"launch-pd: --device: {name!r}: expected auto, cpu or cuda[:i]")
     return name
 
 
@@ -240,12 +252,15 @@ def run_local(args) -> int:
     for name in ("worker_timeout_s", "drain_timeout_s", "request_timeout_s", "max_pending", "max_queued",
                  "transfer_timeout_s", "max_retries"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
     gw = extra + ["--lease-s", str(args.lease_s)] + (["--served-model-name", args.served_model_name]
                                                      if args.served_model_name else [])
+    if args.api_key:                           # to the gateway child by environment (argv is public)
+        os.environ["DSV4_API_KEY"] = ",".join(args.api_key)
     gateway_port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     pd = LocalPD(args.config, model, transport=args.transport, host=args.host, gateway_port=gateway_port,
                  cluster_secret=_cluster_secret(args),
-                 extra_args={"prefill": extra, "decode": extra, "gateway": gw})
+                 extra_args={"prefill": workers, "decode": workers, "gateway": gw})
     import socket
     with socket.socket() as s:                 # a gateway already there would answer our health check
         try:
@@ -286,6 +301,11 @@ def run_local(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        _die(f"launch-pd: --log-level / DSV4_LOG_LEVEL: {args.log_level!r} is not one of "
+             "debug, info, warning, error, critical")
+    for sig in (signal.SIGTERM, signal.SIGINT):     # while starting up: stop at once, status 0
+        signal.signal(sig, _exit_now)
     if args.transport not in TRANSPORTS:        # argparse does not check an env default against choices
         _die(f"launch-pd: --transport / DSV4_TRANSPORT: {args.transport!r} is not one of {', '.join(TRANSPORTS)}")
     if not 0 < args.lease_s <= 3600:

@@ -51,7 +51,7 @@ class DecodeWorker(Worker):
             raise MessageError("rid: expected a string")
         if op == "reserve":
             if self.draining:
-                self.reply(identity, {"op": "error", "rid": rid, "status": 503,
+                self.reply(identity, {"op": "error", "rid": rid, "status": 503, "retry": True,
                                       "message": "decode worker is draining (shutting down)"})
                 return
             self._reserve(identity, rid, msg)
@@ -65,6 +65,7 @@ class DecodeWorker(Worker):
         lease = msg.get("lease_s", self.opts.lease_s)
         if not isinstance(lease, (int, float)) or not 0 < lease <= 3600:
             raise MessageError("lease_s: expected seconds in (0, 3600]")
+        lease = min(float(lease), self.opts.lease_s)     # the shorter of the gateway's and this worker's
         deadline_s = check_deadline(msg)
         try:
             params = params_from_dict(msg.get("params"))
@@ -106,8 +107,9 @@ class DecodeWorker(Worker):
         self.table.expect(rid, len(prompt), lease, identity)
         self.owners[rid] = identity
         self.want_lps[rid] = params.logprobs is not None
-        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
-                              "instance_id": self.instance_id})
+        if not self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
+                                     "instance_id": self.instance_id}):
+            self._abort(rid)                 # its gateway is gone: nobody will prefill it
 
     def _abort(self, rid: str, reason: str = "abort") -> None:
         if self.queued.pop(rid, None) is not None:
@@ -145,6 +147,9 @@ class DecodeWorker(Worker):
     def on_deadline(self, rid: str) -> None:
         if rid in self.owners:
             self._error(rid, 504, "the request's deadline passed (timeout) on the decode worker")
+
+    def live_rids(self):
+        return self.owners
 
     def busy(self) -> bool:
         return bool(self.owners or self.queued or self.table.pending) or self.engine.has_unfinished()

@@ -311,8 +311,8 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
 
     async def auth(request: Request) -> None:
         if keys:
-            h = request.headers.get("authorization", "").encode()
-            given = h[7:] if h.startswith(b"Bearer ") else b""
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            given = token.strip().encode() if scheme.lower() == "bearer" else b""
             # compare with every key, constant time each: no timing hint of which prefix matched
             if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
                 raise ApiError("invalid or missing API key", 401)
@@ -373,6 +373,9 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
                 if 0 < float(read_timeout) <= 1e7:
                     deadline = arrival + float(read_timeout)
         pending = sum(len(g.job.samples) for g in live)
+        if len(job.samples) > max_pending:
+            raise ApiError(f"n: {len(job.samples)} choices exceed this gateway's limit of {max_pending} samples "
+                           "in flight", 400, "n")
         if pending + len(job.samples) > max_pending:
             raise ApiError(f"too many requests in flight ({pending} samples, limit {max_pending}); retry later",
                            429)

@@ -308,6 +308,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer, model: str, max_model_le
             field_name = f"chat_template_kwargs.{key}"
             msg = field_name + msg[msg.find(":"):]
         raise ApiError(msg, 400, field_name) from None
+    _fits_context(text, tokenizer, max_model_len, "messages")
     ids = prompt_token_ids(tokenizer, text)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_new = _max_tokens(req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
@@ -323,7 +324,16 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer, model: str, max_model_le
                parallel_tool_calls=req.parallel_tool_calls is not False, return_token_ids=req.return_token_ids)
 
 
-def _completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[list[int], str]]:
+def _fits_context(text: str, tokenizer, max_model_len: int, field: str) -> None:
+    """A text that cannot fit the context whatever its tokens is refused before tokenising it
+    (tokenising holds the GIL: a 30 MB prompt would stall the gateway for seconds). Raises ApiError."""
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(text) > limit:
+        raise ApiError(f"{field}: {len(text)} characters cannot fit the context of {max_model_len} tokens "
+                       f"(a token covers at most {tokenizer.max_token_chars} characters)", 400, field)
+
+
+def _completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) -> list[tuple[list[int], str]]:
     """[(ids, echo text)] per prompt; ApiError naming ``prompt`` for empty / out-of-vocab prompts."""
     p = req.prompt
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
@@ -334,6 +344,7 @@ def _completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[list[in
     for j, x in enumerate(p):
         f = "prompt" if len(p) == 1 else f"prompt[{j}]"
         if isinstance(x, str):
+            _fits_context(x, tokenizer, max_model_len, f)
             ids = tokenizer.encode(x, add_bos=req.add_special_tokens)
             echo = x
         else:
@@ -359,7 +370,7 @@ def prepare_completion(req: CompletionRequest, tokenizer, model: str, max_model_
         raise ApiError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, "logprobs")
     if req.echo and req.logprobs is not None:
         raise ApiError("echo: not supported together with logprobs (no prompt logprobs)", 400, "echo")
-    prompts = _completion_prompts(req, tokenizer)
+    prompts = _completion_prompts(req, tokenizer, max_model_len)
     if len(prompts) * req.n > max_n:
         raise ApiError(f"n: {len(prompts)} prompts x n={req.n} exceeds {max_n} choices", 400, "n")
     base = f"cmpl-{uuid.uuid4().hex}"

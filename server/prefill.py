@@ -57,7 +57,7 @@ class PrefillWorker(Worker):
             self._abort(rid)
         elif op == "prefill":
             if self.draining:
-                self.reply(identity, {"op": "error", "rid": rid, "status": 503,
+                self.reply(identity, {"op": "error", "rid": rid, "status": 503, "retry": True,
                                       "message": "prefill worker is draining (shutting down)"})
                 return
             self._prefill(identity, rid, msg)
@@ -88,6 +88,9 @@ class PrefillWorker(Worker):
         job = self.jobs.get(rid)
         if job is not None and not job.first_sent:       # after token #1 decode's lease governs
             self._fail(rid, job, 504, "the request's deadline passed (timeout) on the prefill worker")
+
+    def live_rids(self):
+        return self.jobs
 
     def busy(self) -> bool:
         return bool(self.jobs) or self.engine.has_unfinished()

@@ -21,7 +21,8 @@ integer is a number). Limits (in the OpenAPI schema where static, else ``openai_
   top_logprobs needs logprobs=true (OpenAI answers 400 too);
 * stop: at most ``MAX_STOP`` = 16 strings (OpenAI allows 4, vLLM has no bound), each at most
   ``MAX_STOP_CHARS`` = 1024 characters: streaming holds back text that may start a stop string,
-  so a long one delays output and costs a scan per token;
+  so a long one delays output and costs a scan per token; ``stop_token_ids``: at most
+  ``MAX_STOP_TOKEN_IDS`` = 256 (every sample carries them to both workers and checks each token);
 * stream_options only with stream=true (OpenAI, vLLM); logit_bias: token-id keys, values in
   [-100, 100] (OpenAI), then refused as unsupported when non-empty;
 * tools: each ``{"type": "function", "function": {"name": non-empty, "parameters": JSON schema}}``;
@@ -41,6 +42,7 @@ from engine.sampling import MAX_LOGPROBS
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256      # each is checked per generated token on both workers, per sample
 
 # optional fields with their ranges (finite numbers: JSON's NaN / Infinity are refused)
 _Temperature = Annotated[float | None, Field(ge=0, le=2, allow_inf_nan=False)]
@@ -120,7 +122,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     seed: _Seed = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     temperature: _Temperature = None
     top_p: _TopP = None

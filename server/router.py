@@ -141,7 +141,8 @@ class PDBackend:
         for inst in self.instances:
             mon = inst.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                                                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             self._tasks.append(asyncio.create_task(self._monitor(inst, mon)))
             self._tasks.append(asyncio.create_task(self._reader(inst)))
             inst.sock.connect(f"tcp://{inst.addr}")
@@ -189,19 +190,24 @@ class PDBackend:
             await asyncio.sleep(self.health_interval_s)
 
     async def _monitor(self, inst: Instance, mon) -> None:
+        failed = 0                                  # connections dropped before a handshake completed
         try:
             while True:
                 ev = parse_monitor_message(await mon.recv_multipart())
                 e = ev["event"]
                 if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    inst.connected = True
+                    inst.connected, failed = True, 0
                     log.info("gateway: %s %s connected", inst.role, inst.addr)
                 elif e == zmq.EVENT_DISCONNECTED and inst.connected:
                     inst.connected = False
                     inst.load = {}                  # ready again only when it answers a ping
                     self._lose(inst, "disconnected (killed, stopped or unreachable)")
-                elif e in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                    log.error("gateway: %s %s refused the connection (cluster secret differs?)", inst.role, inst.addr)
+                else:                               # a handshake failed or was cut short
+                    failed += 1
+                    if failed == 3:                 # once per run of failures, not per retry
+                        log.error("gateway: %s %s: the ZMQ handshake keeps failing: the cluster secret "
+                                  "(DSV4_CLUSTER_SECRET) differs, the process is stopped, or it is not a "
+                                  "dsv4-pd worker", inst.role, inst.addr)
         finally:
             mon.close(0)
 
@@ -235,12 +241,15 @@ class PDBackend:
                 inst.instance_id = iid
                 inst.load = msg
             elif op == "out":
-                for item in msg.get("items") or []:
-                    q = self._streams.get(item.get("rid")) if isinstance(item, dict) else None
+                items = msg.get("items")
+                for item in items if isinstance(items, list) else []:
+                    rid = item.get("rid") if isinstance(item, dict) else None
+                    q = self._streams.get(rid) if isinstance(rid, str) else None
                     if q is not None:
                         q.put_nowait(("out", item))
             else:
-                q = self._streams.get(msg.get("rid"))
+                rid = msg.get("rid")
+                q = self._streams.get(rid) if isinstance(rid, str) else None
                 if q is not None:
                     q.put_nowait((op, msg))
 
@@ -322,6 +331,9 @@ class PDBackend:
                                       deadline)
             if op == "lost":
                 raise lost(msg)
+            if op == "error" and msg.get("retry"):      # draining: refused before it knew; go elsewhere
+                dec.load["ready"] = False
+                raise _Lost(f"decode instance {dec.addr}: {msg.get('message')}")
             if op != "reserved":
                 raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
             picked = self._pick("prefill")    # chosen now: the least loaded when the state has a place
@@ -342,6 +354,9 @@ class PDBackend:
                     break
                 if op == "lost":
                     raise lost(msg)
+                if op == "error" and msg.get("retry"):
+                    pre.load["ready"] = False
+                    raise _Lost(f"prefill instance {pre.addr}: {msg.get('message')}")
                 if op == "error":
                     raise BackendError(msg.get("message", "prefill failed"), int(msg.get("status", 502)))
                 if op == "out":

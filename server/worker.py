@@ -32,6 +32,7 @@ from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
 from server.messages import MessageError, pack, set_heartbeat, unpack
 from server.metrics import CONTENT_TYPE, WorkerMetrics
+from server.protocol import error_body
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Worker:
         self._drain_deadline = float("inf")
         self._deadlines: list[tuple[float, str]] = []      # heap of (monotonic deadline, rid)
         self._bad_requests = 0
-        self._last_bad_log = 0.0
+        self._last_bad_log = self._last_gone_log = 0.0
         self._http: uvicorn.Server | None = None
 
     # ---- subclass hooks ----------------------------------------------------------------------
@@ -118,9 +119,18 @@ class Worker:
         """``rid``'s deadline passed: abort it with 504 if it still runs."""
 
     # ---- deadlines and drain -----------------------------------------------------------------
+    def live_rids(self) -> set[str] | dict:
+        """The samples a deadline can still apply to."""
+        return set()
+
     def track_deadline(self, rid: str, deadline_s: float | None) -> None:
-        if deadline_s is not None:
-            heapq.heappush(self._deadlines, (time.monotonic() + deadline_s, rid))
+        if deadline_s is None:
+            return
+        heapq.heappush(self._deadlines, (time.monotonic() + deadline_s, rid))
+        if len(self._deadlines) > 4096 and len(self._deadlines) > 4 * len(self.live_rids()):
+            live = self.live_rids()          # drop the entries of finished samples (long deadlines)
+            self._deadlines = [d for d in self._deadlines if d[1] in live]
+            heapq.heapify(self._deadlines)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -151,7 +161,10 @@ class Worker:
             self.sock.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
-            log.warning("%s: reply %s to a gone peer: %s", self.role, msg.get("op"), e)
+            now = time.monotonic()
+            if now - self._last_gone_log >= 10:
+                log.warning("%s: reply %s to a gone gateway connection: %s", self.role, msg.get("op"), e)
+                self._last_gone_log = now
             return False
 
     def load(self) -> dict:
@@ -228,12 +241,16 @@ class Worker:
 
         async def auth(request: Request) -> None:
             if secret is not None:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, b"Bearer " + secret.encode()):
-                    raise HTTPException(401, "missing or wrong cluster secret")
+                scheme, _, given = request.headers.get("authorization", "").partition(" ")
+                if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), secret.encode())):
+                    raise HTTPException(401, "missing or wrong cluster secret (Authorization: Bearer ...)")
 
         app = FastAPI(title=f"dsv4-pd {self.role} worker", docs_url=None, redoc_url=None, openapi_url=None,
                       dependencies=[Depends(auth)])
+
+        @app.exception_handler(HTTPException)
+        async def _http_error(_: Request, e: HTTPException):
+            return JSONResponse(error_body(str(e.detail), e.status_code), status_code=e.status_code)
 
         @app.get("/health")
         def health():

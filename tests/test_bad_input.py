@@ -151,6 +151,12 @@ CASES = [
     Case("chat-prompt-over-context", CHAT, chat(messages=[{"role": "user", "content": "hello " * 5000}]), 400,
          "messages"),
     Case("prompt-over-context", CMPL, cmpl(prompt=[5] * 4096), 400, "prompt"),
+    # too many characters for any tokenisation: refused before tokenising (no GIL-bound stall)
+    Case("chat-text-over-context-chars", CHAT, chat(messages=[{"role": "user", "content": "x" * 600_000}]), 400,
+         "messages", "messages"),
+    Case("prompt-text-over-context-chars", CMPL, cmpl(prompt="y" * 600_000), 400, "prompt", "prompt"),
+    Case("stop-token-ids-too-many", CHAT, chat(stop_token_ids=list(range(257))), 400, "stop_token_ids",
+         "stop_token_ids"),
     Case("max_tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     Case("max_tokens-negative", CMPL, cmpl(max_tokens=-1), 400, "max_tokens"),
     Case("max_tokens-huge", CHAT, chat(max_tokens=10 ** 6), 400, "max_tokens"),

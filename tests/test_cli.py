@@ -43,6 +43,10 @@ def _run(args, **kw):
     (["--role", "gateway", "--model", ".", "--prefill-addrs", "host:notaport"], "--prefill-addrs"),
     (["--role", "router"], "--role"),
     (["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--transport", "rdma"], "--transport"),
+    (["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--log-level", "bogus"], "--log-level"),
+    (["--role", "prefill", "--config", "configs/tiny-flash.yaml", "--device", "bogus"], "--device"),
+    (["--role", "gateway", "--model", ".", "--worker-timeout-s", "0"], "--worker-timeout-s"),
+    (["--role", "gateway", "--model", ".", "--max-pending", "0"], "--max-pending"),
 ])
 def test_bad_flags_exit_2_naming_them(args, needle):
     r = _run(args)
@@ -69,9 +73,10 @@ def test_port_in_use_exits_2(tiny_ckpt):
 
 
 def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
+    """Also: --api-key reaches the gateway child (by environment, not argv)."""
     port = free_port()
     p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
-                                   str(tiny_ckpt("flash", 1)), "--port", str(port)],
+                                   str(tiny_ckpt("flash", 1)), "--port", str(port), "--api-key", "sk-local-123"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -84,9 +89,12 @@ def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
                 pass
             assert p.poll() is None, p.stdout.read()
             time.sleep(0.3)
-        r = httpx.post(url + "/v1/completions", json={"model": "deepseek_v4", "prompt": "Hello", "max_tokens": 4,
-                                                      "temperature": 0, "ignore_eos": True}, timeout=120)
+        body = {"model": "deepseek_v4", "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=120).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120,
+                       headers={"Authorization": "bearer sk-local-123"})        # the scheme is case-insensitive
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert not [c for c in _children(p.pid) if "sk-local-123" in Path(f"/proc/{c}/cmdline").read_text()]
         children = _children(p.pid)
         assert len(children) == 3
         p.send_signal(signal.SIGTERM)

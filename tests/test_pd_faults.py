@@ -271,3 +271,17 @@ def test_decode_stopped_while_holding_a_reservation(cluster, reference):
         cluster.signal(victim, signal.SIGCONT)
     _wait_all_healthy(cluster)
     _wait_idle(cluster)
+
+
+def test_draining_decode_refusals_are_retried_on_the_other(cluster, reference):
+    """SIGTERM to an idle decode: until the gateway's next ping says it is draining, samples may
+    still be sent to it; its 503 refusal is retried on the other decode, so no client sees it."""
+    _wait_all_healthy(cluster)
+    cluster.signal("decode0", signal.SIGTERM)
+    prompts = [_prompt(20 + i, 100 + i) for i in range(6)]
+    got = [_InBackground(lambda p=p, i=i: _complete(cluster, p, 3, i)) for i, p in enumerate(prompts)]
+    for i, (bg, p) in enumerate(zip(got, prompts)):
+        assert bg.result() == _expected(reference, p, 3, i)
+    assert cluster.procs["decode0"].wait(30) == 0
+    _wait_all_healthy(cluster)
+    _wait_idle(cluster)

@@ -160,6 +160,8 @@ def test_full_gateway_answers_429_with_retry_after(cluster, ckpt):
             if r.status_code == 429:
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["type"] == "rate_limit_error"
+        r = httpx.post(base + "/v1/completions", json={**body, "n": 3}, timeout=60)   # can never fit: 400
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     finally:
         gw.terminate()
         assert gw.wait(30) == 0
