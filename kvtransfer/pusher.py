@@ -1,9 +1,9 @@
-"""Prefill side of transfers: a thread that pushes state messages as the engine produces them.
+"""Prefill side of transfers: threads that push state messages as the engine produces them.
 
 The engine loop enqueues each layer's message the moment that layer is final (so sending
-overlaps the rest of prefill), then a commit or a cancel. This thread owns the ``StateSender``
-(handshake on first contact), waits for decode's acknowledgement of each commit, and reports
-``acked`` / ``failed`` results back to the loop. After a failure, later messages of that
+overlaps the rest of prefill), then a commit or a cancel. A thread per destination owns a
+``StateSender`` (handshake on first contact), waits for decode's acknowledgement of each commit,
+and reports ``acked`` / ``failed`` results back to the loop. After a failure, later messages of that
 transfer are dropped (decode's lease then frees its reservation).
 """
 from __future__ import annotations
@@ -41,22 +41,30 @@ class _Track:
 
 
 class Pusher:
-    """``put(kind, transfer_id, dest, frames)`` from the engine loop; ``results()`` drains outcomes."""
+    """``put(kind, transfer_id, dest, frames)`` from the engine loop; ``results()`` drains outcomes.
 
-    def __init__(self, make_sender: Callable[[], StateSender], ack_timeout_s: float = 60.0):
+    One lane (thread + ``StateSender``) per destination, so a destination that hangs (a decode
+    host gone dark: a 10 s handshake, a send blocked on a full queue) delays only its own
+    transfers. A lane idle for ``idle_s`` with nothing awaiting an ack closes its sender and ends.
+    """
+
+    def __init__(self, make_sender: Callable[[], StateSender], ack_timeout_s: float = 60.0, idle_s: float = 60.0):
         self._make = make_sender
-        self._jobs: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
-        self._timeout = ack_timeout_s
+        self._timeout, self._idle_s = ack_timeout_s, idle_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-pusher", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._lanes: dict[str, _Lane] = {}
 
     def put(self, kind: str, transfer_id: str, dest: str, frames: list | Callable[[], list]) -> None:
         """kind: layer | commit | cancel | state (``state`` = whole state + commit in one).
-        ``frames`` may be a callable that builds them (encoding and checksums then run on this
-        thread, off the engine loop)."""
-        self._jobs.put((kind, transfer_id, dest, frames))
+        ``frames`` may be a callable that builds them (encoding and checksums then run on the
+        destination's lane, off the engine loop)."""
+        with self._lock:
+            lane = self._lanes.get(dest)
+            if lane is None:
+                lane = self._lanes[dest] = _Lane(self, dest)
+            lane.jobs.put((kind, transfer_id, dest, frames))
 
     def results(self) -> list[Result]:
         out = []
@@ -66,37 +74,83 @@ class Pusher:
             except queue.Empty:
                 return out
 
+    @property
+    def num_lanes(self) -> int:
+        with self._lock:
+            return len(self._lanes)
+
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        with self._lock:
+            lanes = list(self._lanes.values())
+        end = time.monotonic() + 5
+        for lane in lanes:
+            lane.thread.join(max(0.0, end - time.monotonic()))
+
+    def _retire(self, lane: "_Lane") -> bool:
+        """Called by an idle lane: True (it is removed and must end) unless a job just arrived."""
+        with self._lock:
+            if not lane.jobs.empty():
+                return False
+            if self._lanes.get(lane.dest) is lane:
+                del self._lanes[lane.dest]
+            return True
+
+
+class _Lane:
+    """One destination's sender thread."""
+
+    def __init__(self, pusher: Pusher, dest: str):
+        self.p, self.dest = pusher, dest
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"kv-pusher-{dest[-24:]}", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
-        sender = self._make()
+        p = self.p
+        sender = None
         track: dict[str, _Track] = {}
         dead: set[str] = set()
+        idle_since = time.monotonic()
         try:
-            while not self._stop.is_set():
+            sender = p._make()
+            while not p._stop.is_set():
                 waiting = any(t.deadline is not None for t in track.values())
                 try:
-                    job = self._jobs.get_nowait() if waiting else self._jobs.get(timeout=0.02)
+                    job = self.jobs.get_nowait() if waiting else self.jobs.get(timeout=0.02)
                 except queue.Empty:
                     job = None
                 if job is not None:
+                    idle_since = time.monotonic()
                     self._send(sender, job, track, dead)
                 # waiting for acks with nothing to send: block in zmq (GIL released), not spin
                 for _dest, msg in sender.poll_replies(0.002 if waiting and job is None else 0.0):
-                    self._reply(msg, track)
+                    _reply_result(p, msg, track)
                 now = time.monotonic()
                 for tid, t in list(track.items()):
                     if t.deadline is not None and t.deadline <= now:
                         del track[tid]
-                        self._results.put(Result("failed", tid, t.nbytes, now - t.t0, "timeout",
-                                                 f"no acknowledgement within {self._timeout:g} s"))
+                        p._results.put(Result("failed", tid, t.nbytes, now - t.t0, "timeout",
+                                              f"no acknowledgement within {p._timeout:g} s"))
+                if not track and job is None and now - idle_since > p._idle_s and p._retire(self):
+                    return
+        except Exception as e:               # the sender could not even be made: fail what comes
+            log.exception("state pusher lane %s failed", self.dest)
+            while True:
+                try:
+                    kind, tid, _, _ = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if kind != "cancel":
+                    p._results.put(Result("failed", tid, 0, 0.0, "send", f"{type(e).__name__}: {e}"))
+            p._retire(self)
         finally:
-            sender.close()
+            if sender is not None:
+                sender.close()
 
     def _send(self, sender: StateSender, job, track: dict, dead: set) -> None:
         kind, tid, dest, frames = job
+        p = self.p
         if tid in dead:
             return
         t = track.setdefault(tid, _Track(time.monotonic()))
@@ -110,24 +164,26 @@ class Pusher:
             msg = f"{type(e).__name__}: {e}"
             cause = "handshake" if any(w in msg for w in ("refuse", "fingerprint", "layout", "handshake")) else "send"
             if kind != "cancel":
-                self._results.put(Result("failed", tid, t.nbytes, time.monotonic() - t.t0, cause, msg))
+                p._results.put(Result("failed", tid, t.nbytes, time.monotonic() - t.t0, cause, msg))
             return
         if kind in ("commit", "state"):
-            t.deadline = time.monotonic() + self._timeout
+            t.deadline = time.monotonic() + p._timeout
         elif kind == "cancel":
             track.pop(tid, None)
             dead.add(tid)
         if len(dead) > 100_000:          # ids are never reused: forgetting old ones is safe
             dead.clear()
 
-    def _reply(self, msg: dict, track: dict) -> None:
-        tid = msg.get("transfer_id")
-        t = track.pop(tid, None) if isinstance(tid, str) else None
-        if t is None:
-            return
-        secs = time.monotonic() - t.t0
-        if msg.get("op") == "ack":
-            self._results.put(Result("acked", tid, t.nbytes, secs))
-        else:
-            self._results.put(Result("failed", tid, t.nbytes, secs, str(msg.get("cause", "nack")),
-                                     str(msg.get("reason", "refused by decode"))[:500]))
+
+def _reply_result(p: Pusher, msg: dict, track: dict) -> None:
+    """An ack / nack / reject from decode for one of ``track``'s transfers -> a Result."""
+    tid = msg.get("transfer_id")
+    t = track.pop(tid, None) if isinstance(tid, str) else None
+    if t is None:
+        return
+    secs = time.monotonic() - t.t0
+    if msg.get("op") == "ack":
+        p._results.put(Result("acked", tid, t.nbytes, secs))
+    else:
+        p._results.put(Result("failed", tid, t.nbytes, secs, str(msg.get("cause", "nack")),
+                              str(msg.get("reason", "refused by decode"))[:500]))

@@ -224,6 +224,9 @@ class Worker:
                 if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
                     if self.busy():
                         self.abort_all(503, f"the {self.role} worker shut down (drain deadline)")
+                    # let the gateway read our last replies (final tokens, errors) before we
+                    # disconnect: its DEALER drops unread messages of a connection that went away
+                    time.sleep(0.3)
                     log.info("%s: drained", self.role)
                     return
                 if self.engine.has_unfinished():

@@ -308,7 +308,7 @@ def test_error_after_streaming_started_is_an_sse_event():
             pass
 
     class Tok:
-        vocab_size, bos_id, eos_id = 100, 0, 1
+        vocab_size, bos_id, eos_id, max_token_chars = 100, 0, 1, 16
 
         def encode(self, text, add_bos=False):
             return [0, 7, 8] if add_bos else [7, 8]

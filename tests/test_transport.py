@@ -495,3 +495,36 @@ def test_destination_names_its_receiver_so_a_restarted_one_is_refused(net, kind)
     assert new.recv(0.3) == []
     tx.send(f"{new.address}#decode-new", encode_state("t-3", FP, 3, 0, _tensors(3)))
     assert [len(f) for _, f in new.recv(10.0)]
+
+
+def test_pusher_lanes_keep_a_dead_destination_from_stalling_the_others(net):
+    """A destination that never completes the handshake holds only its own lane: a transfer to a
+    live receiver is acked meanwhile; the dead one fails on its own (handshake timeout)."""
+    from kvtransfer.pusher import Pusher
+    live = net.rx("zmq-tcp")
+    dead_port = _free_port()
+    black_hole = socket.socket()                 # accepts TCP, never speaks ZMTP
+    black_hole.bind(("127.0.0.1", dead_port))
+    black_hole.listen(8)
+    pusher = Pusher(lambda: make_sender("zmq-tcp", FP, LAYOUT, "prefill-lanes"), ack_timeout_s=30)
+    try:
+        pusher.put("state", "to-dead", f"tcp://127.0.0.1:{dead_port}", encode_state("to-dead", FP, 3, 0, _tensors(1)))
+        time.sleep(0.2)                          # the dead lane is now blocked in its handshake
+        t0 = time.monotonic()
+        pusher.put("state", "to-live", live.address, encode_state("to-live", FP, 3, 0, _tensors(2)))
+        got = []
+        while not got and time.monotonic() - t0 < 8:
+            for peer, frames in live.recv(0.05):
+                live.reply(peer, {"op": "ack", "transfer_id": "to-live"})
+            got = [r for r in pusher.results() if r.transfer_id == "to-live"]
+        assert got and got[0].kind == "acked" and time.monotonic() - t0 < 5
+        assert pusher.num_lanes == 2
+        end = time.monotonic() + 20
+        dead = []
+        while not dead and time.monotonic() < end:
+            dead = [r for r in pusher.results() if r.transfer_id == "to-dead"]
+            time.sleep(0.1)
+        assert dead and dead[0].kind == "failed"
+    finally:
+        pusher.close()
+        black_hole.close()
