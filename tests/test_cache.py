@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from engine.cache import CacheConfig, CacheFullError, Geometry, PagedCache, plan_cache
-from engine.config import ModelArgs
 from engine.weights import load_model
 
 

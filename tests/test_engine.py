@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine.cache import CacheConfig
 from engine.llm_engine import LLMEngine, RequestError

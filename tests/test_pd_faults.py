@@ -14,15 +14,15 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from openai import OpenAI
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
-from server.launcher import LocalPD, log_tail
+from pd_util import CONFIG, start_pd, wait_idle
+from pd_util import rand_prompt as _prompt
+from server.launcher import log_tail
 
-CONFIG = "configs/tiny-flash.yaml"
 WORKER_TIMEOUT_S = 2.0
 WORKERS = ("prefill0", "prefill1", "decode0", "decode1")
 
@@ -39,26 +39,15 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def cluster(ckpt, tmp_path_factory):
-    log = tmp_path_factory.mktemp("faults") / "pd.log"
     flags = ["--worker-timeout-s", str(WORKER_TIMEOUT_S), "--cpu-threads", "1", "--transfer-timeout-s", "5",
              "--lease-s", "10"]
-    pd = LocalPD(CONFIG, ckpt, num_prefill=2, num_decode=2, log_path=str(log),
-                 extra_args={"prefill": flags, "decode": flags, "gateway": flags})
-    try:
-        pd.start(timeout_s=300)
-    except RuntimeError as e:
-        pytest.fail(f"{e}\n{log_tail(log, 40)}")
-    pd.log = log
+    pd = start_pd(ckpt, tmp_path_factory.mktemp("faults") / "pd.log", 2, 2, flags)
     yield pd
     pd.stop()
 
 
 def _client(pd) -> OpenAI:
     return OpenAI(base_url=pd.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(1000, 60000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _health(pd) -> dict:
@@ -82,18 +71,8 @@ def _wait_all_healthy(pd, timeout_s: float = 120) -> dict:
     pytest.fail(f"workers not healthy again: {_health(pd)}\n{log_tail(pd.log, 30)}")
 
 
-def _wait_idle(pd, names=WORKERS, timeout_s: float = 30) -> None:
-    """Every worker named holds nothing: all blocks free, nothing reserved, running or waiting."""
-    end = time.monotonic() + timeout_s
-    while True:
-        loads = {n: pd.ready(n) for n in names}
-        busy = {n: ld for n, ld in loads.items() if ld["free_blocks"] != ld["total_blocks"] or ld["reserved"]
-                or ld["running"] or ld["waiting"] or ld.get("queued")}
-        if not busy:
-            return
-        if time.monotonic() > end:
-            pytest.fail(f"state not freed: {busy}")
-        time.sleep(0.1)
+def _wait_idle(pd, names=WORKERS) -> None:
+    wait_idle(pd, names)
 
 
 def _busy_worker(pd, role: str, timeout_s: float = 60) -> str:

@@ -22,9 +22,9 @@ from openai import AsyncOpenAI, OpenAI
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
-from server.launcher import LocalPD, free_port, log_tail
-
-CONFIG = "configs/tiny-flash.yaml"
+from pd_util import CONFIG, start_pd, wait_idle
+from pd_util import rand_prompt as _prompt
+from server.launcher import free_port, log_tail
 DRAIN_S = 3.0
 
 
@@ -40,21 +40,10 @@ def reference(ckpt):
 
 @pytest.fixture(scope="module")
 def cluster(ckpt, tmp_path_factory):
-    log = tmp_path_factory.mktemp("life") / "pd.log"
-    flags = ["--worker-timeout-s", "2", "--drain-timeout-s", str(DRAIN_S)]
-    pd = LocalPD(CONFIG, ckpt, num_prefill=1, num_decode=1, log_path=str(log),
-                 extra_args={"prefill": flags, "decode": flags, "gateway": flags})
-    try:
-        pd.start(timeout_s=300)
-    except RuntimeError as e:
-        pytest.fail(f"{e}\n{log_tail(log, 40)}")
-    pd.log = log
+    pd = start_pd(ckpt, tmp_path_factory.mktemp("life") / "pd.log",
+                  flags=["--worker-timeout-s", "2", "--drain-timeout-s", str(DRAIN_S)])
     yield pd
     pd.stop()
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(1000, 60000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _healthy(pd, timeout_s: float = 120) -> None:
@@ -72,16 +61,8 @@ def _healthy(pd, timeout_s: float = 120) -> None:
     pytest.fail(f"not healthy again\n{log_tail(pd.log, 30)}")
 
 
-def _idle(pd, timeout_s: float = 30) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        loads = {n: pd.ready(n) for n in ("prefill0", "decode0")}
-        if all(ld["free_blocks"] == ld["total_blocks"] and not (ld["reserved"] or ld["running"] or ld["waiting"]
-                                                               or ld.get("queued")) for ld in loads.values()):
-            return
-        if time.monotonic() > end:
-            pytest.fail(f"state not freed: {loads}")
-        time.sleep(0.1)
+def _idle(pd) -> None:
+    wait_idle(pd, ("prefill0", "decode0"))
 
 
 def _long_stream(pd, seen: dict, headers=None):

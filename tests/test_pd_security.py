@@ -16,22 +16,13 @@ import zmq
 from openai import OpenAI
 
 from kvtransfer.secure import secure_client
-from server.launcher import LocalPD, log_tail
-
-CONFIG = "configs/tiny-flash.yaml"
+from pd_util import start_pd, wait_idle
+from server.launcher import log_tail
 SECRET = "correct horse battery staple 42"
 
 
-def _start(ckpt, log, secret=None) -> LocalPD:
-    flags = ["--worker-timeout-s", "2", "--lease-s", "3"]
-    pd = LocalPD(CONFIG, ckpt, num_prefill=1, num_decode=1, log_path=str(log), cluster_secret=secret,
-                 extra_args={"prefill": flags, "decode": flags, "gateway": flags})
-    try:
-        pd.start(timeout_s=300)
-    except RuntimeError as e:
-        pytest.fail(f"{e}\n{log_tail(log, 40)}")
-    pd.log = log
-    return pd
+def _start(ckpt, log, secret=None):
+    return start_pd(ckpt, log, flags=["--worker-timeout-s", "2", "--lease-s", "3"], cluster_secret=secret)
 
 
 def _ports(pd) -> dict[str, int]:
@@ -55,16 +46,8 @@ def _serves(pd) -> list[int]:
     return ids
 
 
-def _idle(pd, timeout_s: float = 30) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        loads = {n: pd.ready(n) for n in ("prefill0", "decode0")}
-        if all(ld["free_blocks"] == ld["total_blocks"] and not (ld["reserved"] or ld["running"] or ld["waiting"]
-                                                               or ld.get("queued")) for ld in loads.values()):
-            return
-        if time.monotonic() > end:
-            pytest.fail(f"state not freed: {loads}")
-        time.sleep(0.1)
+def _idle(pd) -> None:
+    wait_idle(pd, ("prefill0", "decode0"))
 
 
 def _ping(port: int, secret=None, timeout_ms: int = 1500) -> dict | None:

@@ -5,6 +5,8 @@ name lookup. Letters: T tokens, n mHC streams, H hidden, V vocab.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
