@@ -56,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="worker /health /ready /metrics port (0: none)")
     p.add_argument("--state-port", type=int, help="decode: state receiver port")
     p.add_argument("--transport", default=os.environ.get("DSV4_TRANSPORT", "zmq-tcp"), choices=TRANSPORTS)
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i] (npu: issue 6)")
+    p.add_argument("--device", default=os.environ.get("DSV4_DEVICE", "auto"),
+                   help="auto | cpu | cuda[:i] | npu[:i] (env DSV4_DEVICE; auto: npu, then cuda, then cpu)")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
@@ -122,19 +123,13 @@ def _load_config(args):
         _die(f"launch-pd: {args.config}: {e}")
 
 
-def _device(name: str) -> str:
-    import torch
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+def _platform(name: str):
+    """``--device`` -> engine.platform.Platform (exits 2 naming --device when unavailable / malformed)."""
+    from engine.platform import PlatformError, detect
     try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        _die(f"launch-pd: --device: {name!r} is not a device ({e})")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        _die(f"launch-pd: --device: {name!r}, but this torch build / machine has no CUDA device")
-    if dev.type not in ("cpu", "cuda"):
-        _die(f"launch-pd: --device: {name!r}: expected auto, cpu or cuda[:i]")
-    return name
+        return detect(name, key="--device")
+    except PlatformError as e:
+        _die(f"launch-pd: {e}")
 
 
 def _advertised(host: str) -> str:
@@ -176,8 +171,11 @@ def run_worker(args) -> int:
             _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")
         import torch
         torch.set_num_threads(args.cpu_threads)
+    platform = _platform(args.device)
+    platform.activate()
     try:
-        engine = build_engine(cfg, args.model, device=_device(args.device), progress=False)
+        # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
+        engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill)
     except (ConfigError, CheckpointError) as e:
         _die(f"launch-pd: {e}")
     if prefill:
@@ -248,6 +246,11 @@ def run_local(args) -> int:
     from server.launcher import LocalPD
     cfg = _load_config(args)
     model = args.model or cfg.model_config.model_path
+    from engine.platform import PlatformError, parse_spec
+    try:
+        parse_spec(args.device, "--device")    # the form only: the children probe the hardware
+    except PlatformError as e:
+        _die(f"launch-pd: {e}")
     extra = ["--device", args.device, "--log-level", args.log_level]
     for name in ("worker_timeout_s", "drain_timeout_s", "request_timeout_s", "max_pending", "max_queued",
                  "transfer_timeout_s", "max_retries"):

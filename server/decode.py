@@ -32,9 +32,11 @@ class DecodeWorker(Worker):
     def __init__(self, engine: LLMEngine, opts: WorkerOptions):
         super().__init__(engine, opts)
         self.table = TransferTable(len(engine.model.layers))
+        # dist: the engine's device picks the data plane (cpu gloo, cuda nccl, npu hccl)
+        dist = {"device": str(engine.model.embed.weight.device)} if opts.transport == "dist" else {}
         self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout,
                                       advertise_host=opts.advertise_host or opts.host, secret=opts.cluster_secret,
-                                      receiver_id=f"decode-{self.instance_id}")
+                                      receiver_id=f"decode-{self.instance_id}", **dist)
         self.state_addr = f"{self.receiver.address}#{self.receiver.receiver_id}"   # this process only
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}

@@ -43,8 +43,10 @@ class PrefillWorker(Worker):
         super().__init__(engine, opts)
         self.jobs: dict[str, _Job] = {}
         self.num_layers = len(engine.model.layers)
+        # dist: the engine's device picks the data plane (cpu gloo, cuda nccl, npu hccl)
+        dist = {"device": str(engine.model.embed.weight.device)} if opts.transport == "dist" else {}
         self.pusher = Pusher(lambda: make_sender(opts.transport, self.fingerprint, self.layout,
-                                                 f"prefill-{self.instance_id}", secret=opts.cluster_secret),
+                                                 f"prefill-{self.instance_id}", secret=opts.cluster_secret, **dist),
                              opts.transfer_timeout_s)
         engine.on_layer_final = self._on_layer_final
 
