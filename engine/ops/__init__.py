@@ -6,6 +6,7 @@ model. ``REFERENCE`` holds the pure-torch implementations, which are the numeric
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -37,4 +38,54 @@ class Ops:
 
 REFERENCE = Ops(**{f.name: getattr(reference, f.name) for f in fields(Ops)})
 
-__all__ = ["Ops", "REFERENCE"]
+OP_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Ops))
+KERNEL_CONFIG_KEY = "model_config.custom_params.kernel_config"
+IMPLS = ("native", "npu", "ascendc")   # "ascendc": upstream's name for the kernel impl (= "npu")
+
+
+def validate_kernel_config(kernel_config: Mapping[str, str] | None) -> dict[str, str]:
+    """Check the YAML ``model_config.custom_params.kernel_config`` mapping ``{op_name: impl}``.
+
+    ``op_name`` is a field of ``Ops``; ``impl`` is "native" (force the reference op) or "npu" /
+    "ascendc" (upstream's spelling; use the platform kernel where one exists, the default). Returns a plain dict copy ({} for None).
+
+    Raises:
+        ValueError: not a mapping, an unknown op name (the message names the key and lists the
+            known ops) or an impl other than "native" / "npu" / "ascendc" (the message names the key).
+    """
+    if kernel_config is None:
+        return {}
+    if not isinstance(kernel_config, Mapping):
+        raise ValueError(f"{KERNEL_CONFIG_KEY}: must be a mapping of op name to impl, "
+                         f"got {type(kernel_config).__name__}")
+    for op, impl in kernel_config.items():
+        if op not in OP_NAMES:
+            raise ValueError(f"{KERNEL_CONFIG_KEY}.{op}: unknown op {op!r}; known ops: {', '.join(OP_NAMES)}")
+        if impl not in IMPLS:
+            raise ValueError(f"{KERNEL_CONFIG_KEY}.{op}: impl {impl!r} is not one of "
+                             f"{', '.join(repr(i) for i in IMPLS)}")
+    return dict(kernel_config)
+
+
+def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
+    """The ops table for a device kind (``engine.platform.Platform.kind``).
+
+    "cpu" / "cuda": ``REFERENCE`` (every op is the reference there, so "npu" entries of
+    ``kernel_config`` change nothing, but the mapping is still validated). "npu": the Ascend kernels
+    of ``engine.ops.npu`` over ``REFERENCE`` (imported here, on demand: importing ``engine.ops``
+    never imports ``engine.ops.npu`` nor torch_npu).
+
+    Raises:
+        ValueError: a bad ``kernel_config`` (see ``validate_kernel_config``) or an unknown kind.
+        engine.ops.npu.NpuUnavailableError (an ImportError): kind "npu" without a usable torch_npu.
+    """
+    cfg = validate_kernel_config(kernel_config)
+    if kind in ("cpu", "cuda"):
+        return REFERENCE
+    if kind == "npu":
+        from engine.ops.npu import npu_ops
+        return npu_ops(REFERENCE, cfg)
+    raise ValueError(f"ops_for: unknown device kind {kind!r} (expected cpu, cuda or npu)")
+
+
+__all__ = ["Ops", "REFERENCE", "OP_NAMES", "IMPLS", "KERNEL_CONFIG_KEY", "validate_kernel_config", "ops_for"]
