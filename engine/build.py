@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
 from engine.config import ConfigError, ModelArgs
 from engine.llm_engine import LLMEngine
+from engine.ops import ops_for
+from engine.platform import detect
 from engine.run_config import RunConfig
+from engine.runner import DecodeRunner, ExecConfig
 from engine.weights import load_model
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,20 +35,62 @@ def eos_token_ids(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
-                 progress: bool = True) -> LLMEngine:
-    """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
-    from ``scheduler_config``.
+def exec_config(cfg: RunConfig) -> ExecConfig:
+    """The run config's execution keys as an ``ExecConfig``."""
+    m, cp = cfg.model_config, cfg.model_config.custom_params
+    return ExecConfig(exe_mode=m.exe_mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
+                      static_kernel=m.enable_static_kernel, cache_compile=m.enable_cache_compile,
+                      compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel)
 
+
+def check_platform_version(cfg: RunConfig, found: str | None) -> None:
+    """The run config against the Ascend generation found on the device (``Platform.
+    platform_version``; None: unknown SoC). Raises ConfigError naming the key: a
+    ``model_config.platform_version`` other than the device's, or A3-only options
+    (enable_limit_core, enable_pypto) on another generation."""
+    m, cp = cfg.model_config, cfg.model_config.custom_params
+    if m.platform_version is not None and found is not None and m.platform_version != found:
+        raise ConfigError(f"model_config.platform_version: {m.platform_version!r}, but the device is {found!r}")
+    version = m.platform_version or found
+    for name in ("enable_limit_core", "enable_pypto"):
+        if getattr(cp, name) and version not in (None, "A3"):
+            raise ConfigError(f"model_config.custom_params.{name}: A3 only, but the device is {version!r}")
+
+
+def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
+                 progress: bool = True, graph: bool = True) -> LLMEngine:
+    """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
+    from ``scheduler_config``; with a graph ``exe_mode`` (and ``graph``: False for a prefill-only
+    worker, which always runs eager) compile / capture the decode step now.
+
+    ``device``: a spec for ``engine.platform.detect`` ("cpu", "cuda:0", "npu:0", "auto").
     Raises:
         ConfigError: no model path, a checkpoint / config combination the run config forbids, or
             state pools too small for ``max_model_len``. CheckpointError: unreadable checkpoint.
+        PlatformError: the device is not available.
     """
     path = Path(model_dir or cfg.model_config.model_path)
     if not str(path) or not path.is_dir():
         raise ConfigError(f"model_config.model_path: {str(path)!r} is not a checkpoint directory")
-    model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=device, progress=progress)
+    plat = detect(device)
+    cp, ex = cfg.model_config.custom_params, exec_config(cfg)
+    if plat.kind == "npu":
+        check_platform_version(cfg, plat.platform_version)
+    elif ex.limit_core:
+        log.info("custom_params.enable_limit_core: Ascend A3 only; no effect on %s", plat.kind)
+    model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
+                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress)
     cfg.check_model(model.args)
+    model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
+    engine = _size(cfg, model, path)
+    if graph and ex.graph:
+        engine.runner = DecodeRunner(model, engine.cache, engine.limits.max_model_len, engine.limits.batch_size,
+                                     plat, ex)
+        engine.runner.warmup()
+    return engine
+
+
+def _size(cfg: RunConfig, model, path: Path) -> LLMEngine:
     s = cfg.scheduler_config
     max_len = cfg.max_model_len_for(model.args) if s.max_model_len is not None else None
     try:

@@ -126,11 +126,13 @@ def plan_cache(args: ModelArgs, dtype: torch.dtype, block_size: int, max_seqs: i
 
 
 def pool_bytes(args: ModelArgs, dtype: torch.dtype, config: CacheConfig) -> int:
-    """Bytes ``PagedCache`` allocates for ``config`` (all pools, all layers)."""
+    """Bytes ``PagedCache`` allocates for ``config`` (all pools, all layers; the scratch part for
+    padding rows counts as one more request plus one trash row per entry pool)."""
     g = Geometry.of(args, config.block_size, config.next_n)
     esize = torch.empty(0, dtype=dtype).element_size()
-    fixed = config.max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
-    return fixed + sum(config.num_blocks.get(p, 0) * g.bytes_per_block(p, esize) for p in GROWING)
+    fixed = (config.max_seqs + 1) * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
+    trash = sum(g.bytes_per_block(p, esize) // config.block_size for p in GROWING)
+    return fixed + trash + sum(config.num_blocks.get(p, 0) * g.bytes_per_block(p, esize) for p in GROWING)
 
 
 class BlockPool:
@@ -177,9 +179,15 @@ class PagedCache:
     """The preallocated pools of one worker and their block manager.
 
     Tensors (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset):
-      win[l] ``[n_win * bs, d]``; c4_kv[l] ``[n_c4 * bs, d]``, c4_idx[l] ``[n_c4 * bs, dI]``;
-      c128_kv[l] ``[n_c128 * bs, d]``; comp_kv / comp_score[l] ``[max_seqs, rows, c*d]`` fp32,
-      idx_comp_kv / idx_comp_score[l] ``[max_seqs, rows, 2*dI]`` fp32 (CSA layers).
+      win[l] ``[(n_win + ring/bs) * bs, d]``; c4_kv[l] ``[n_c4 * bs + 1, d]``, c4_idx[l]
+      ``[n_c4 * bs + 1, dI]``; c128_kv[l] ``[n_c128 * bs + 1, d]``; comp_kv / comp_score[l]
+      ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
+      2*dI]`` fp32 (CSA layers).
+
+    Past the managed blocks each pool has a scratch part no request ever holds, for fixed-shape
+    (graph) decode: ``pad_slot`` (a state slot) and ``pad_win_blocks`` (a window ring) for the
+    padding rows of a batch bucket, and ``trash_row`` (the last row of an entry pool), where a
+    compressor whose window does not close this step writes its unused entry.
     """
 
     def __init__(self, args: ModelArgs, config: CacheConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
@@ -193,18 +201,21 @@ class PagedCache:
         kv = dict(dtype=dtype, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         S = config.max_seqs
-        self.win = [torch.zeros(n_win * bs, d, **kv) for _ in range(g.num_layers)]
+        ring_blocks = g.blocks_needed("win", 0)
+        self.pad_slot, self.pad_win_blocks = S, list(range(n_win, n_win + ring_blocks))
+        self.win = [torch.zeros((n_win + ring_blocks) * bs, d, **kv) for _ in range(g.num_layers)]
         self.cmp_kv, self.idx_kv, self.comp, self.idx_comp = {}, {}, {}, {}
         for l in g.csa_layers:
-            n = self.pools["c4"].num_blocks * bs
+            n = self.pools["c4"].num_blocks * bs + 1
             self.cmp_kv[l], self.idx_kv[l] = torch.zeros(n, d, **kv), torch.zeros(n, dI, **kv)
             rows = g.state_rows[CSA_RATIO]
-            self.comp[l] = (torch.zeros(S, rows, 2 * d, **f32), torch.zeros(S, rows, 2 * d, **f32))
-            self.idx_comp[l] = (torch.zeros(S, rows, 2 * dI, **f32), torch.zeros(S, rows, 2 * dI, **f32))
+            self.comp[l] = (torch.zeros(S + 1, rows, 2 * d, **f32), torch.zeros(S + 1, rows, 2 * d, **f32))
+            self.idx_comp[l] = (torch.zeros(S + 1, rows, 2 * dI, **f32), torch.zeros(S + 1, rows, 2 * dI, **f32))
         for l in g.hca_layers:
-            self.cmp_kv[l] = torch.zeros(self.pools["c128"].num_blocks * bs, d, **kv)
+            self.cmp_kv[l] = torch.zeros(self.pools["c128"].num_blocks * bs + 1, d, **kv)
             rows = g.state_rows[HCA_RATIO]
-            self.comp[l] = (torch.zeros(S, rows, d, **f32), torch.zeros(S, rows, d, **f32))
+            self.comp[l] = (torch.zeros(S + 1, rows, d, **f32), torch.zeros(S + 1, rows, d, **f32))
+        self.trash_row = {p: self.pools[p].num_blocks * bs for p in GROWING}
         self.seqs: dict[object, SeqBlocks] = {}
 
     # ---- accounting ------------------------------------------------------------------------

@@ -85,6 +85,8 @@ class LLMEngine:
         self.on_layer_final: Callable[[int, list[tuple[str, int]]], None] | None = None
         self.stats = StepStats()
         self._finished_out: list[RequestOutput] = []
+        # graph-mode decode (engine.runner.DecodeRunner): runs the batch's single-token rows
+        self.runner = None
 
     @classmethod
     def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
@@ -310,7 +312,7 @@ class LLMEngine:
                 def hook(layer: int, done=done, cb=self.on_layer_final):
                     cb(layer, done)
         try:
-            hidden = m.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
+            hidden = self._forward(batch, tokens, states, hook)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))
@@ -347,6 +349,29 @@ class LLMEngine:
                 continue
             outs.append(self._append(s, smp, now))
         return outs
+
+    def _forward(self, batch, tokens: torch.Tensor, states: list, hook) -> torch.Tensor:
+        """Hidden states ``[sum(num_tokens), H]`` of the packed batch: eager, or with a graph runner
+        its single-token rows (decode) through the runner and the rest eager (prefill)."""
+        m, r = self.model, self.runner
+        one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if r is not None and hook is None else []
+        if not one:
+            return m.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
+        offs = [0]
+        for n in batch.num_tokens:
+            offs.append(offs[-1] + n)
+        hidden = torch.empty(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+        rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
+        if rest:
+            idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
+            hidden[idx] = m.forward_batch(tokens[idx], [states[i] for i in rest],
+                                          [batch.num_tokens[i] for i in rest])
+        rows = []
+        for i in one:
+            s, held = batch.seqs[i], self.cache.seqs[batch.seqs[i].seq_id]
+            rows.append((int(tokens[offs[i]]), s.num_computed, held.state_slot, held.tables))
+        hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = r.run(rows)
+        return hidden
 
     def _append(self, s: Sequence, smp: Sampled, now: float) -> RequestOutput:
         s.output_ids.append(smp.token_id)

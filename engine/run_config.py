@@ -28,10 +28,10 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, ModelArgs, read_text_file
+from engine.ops import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
-DSV4_EXE_MODES = ("eager", "npugraph_ex")     # DSV4 check_model_settings (§5.1)
 PLATFORMS = ("A2", "A3", "950")
 DATASETS = ("default", "LongBench", "InfiniteBench")
 MAX_NEXT_N = 3                                 # MTP depth DSV4 supports (§5.1)
@@ -50,13 +50,17 @@ class CustomParams:
     enable_pypto: bool = False            # PyPTO kernels; A3 only
     moe_chunk_max_len: int = 65536        # tokens per routed-MoE chunk in prefill
     enable_superkernel: bool = False      # graph option (super_kernel_optimize); not in eager
-    kernel_config: dict[str, str] = field(default_factory=dict)   # {op_type: impl}, e.g. compressor: native
+    kernel_config: dict[str, str] = field(default_factory=dict)   # {seam op: native | npu | ascendc}
     num_hidden_layers: int | None = None          # override for reduced-layer runs
     max_position_embeddings: int | None = None    # override of the checkpoint's value
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "moe_chunk_max_len")
+        try:
+            validate_kernel_config(self.kernel_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _positive(self, "num_hidden_layers", optional=True)
         _positive(self, "max_position_embeddings", optional=True)
 
@@ -340,10 +344,9 @@ class RunConfig:
 # ---- DeepSeek-V4 check_model_settings --------------------------------------------------------
 def _check_dsv4_settings(c: RunConfig) -> None:
     """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
+    # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
+    # the same captured step as npugraph_ex elsewhere), see engine.runner
     m, cp = c.model_config, c.model_config.custom_params
-    if m.exe_mode not in DSV4_EXE_MODES:
-        raise ConfigError(f"model_config.exe_mode: DeepSeek-V4 runs with {' or '.join(DSV4_EXE_MODES)}, "
-                          f"got {m.exe_mode!r}")
     if c.parallel_config.attn_tp_size != 1:
         raise ConfigError(f"parallel_config.attn_tp_size: DeepSeek-V4 needs 1 (attention is data-parallel), "
                           f"got {c.parallel_config.attn_tp_size}")

@@ -257,7 +257,12 @@ class Worker:
 
         @app.get("/health")
         def health():
-            return {"status": "ok", "role": self.role, "instance_id": self.instance_id}
+            r = self.engine.runner
+            return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
+                    "device": str(self.engine.model.embed.weight.device),
+                    "exe_mode": r.cfg.exe_mode if r is not None else "eager",
+                    "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
+                                                     "warmup_s": round(r.warmup_s, 3)}}
 
         @app.get("/ready")
         def ready():

@@ -13,10 +13,10 @@ CONFIG = "configs/tiny-flash.yaml"
 
 
 def start_pd(ckpt: str, log, num_prefill: int = 1, num_decode: int = 1, flags: list[str] = (),
-             cluster_secret: str | None = None) -> LocalPD:
+             cluster_secret: str | None = None, config: str = CONFIG) -> LocalPD:
     """A started LocalPD with ``flags`` on every process (``pd.log``: its log); fails the test
     with the log's tail if it does not come up."""
-    pd = LocalPD(CONFIG, ckpt, num_prefill=num_prefill, num_decode=num_decode, log_path=str(log),
+    pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, log_path=str(log),
                  cluster_secret=cluster_secret, extra_args={r: list(flags) for r in ("prefill", "decode", "gateway")})
     try:
         pd.start(timeout_s=300)

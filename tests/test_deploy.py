@@ -75,7 +75,7 @@ def test_bad_yaml_names_the_key(tmp_path, key, value, message):
 
 
 # ---- shell scripts ----------------------------------------------------------------------------
-@pytest.mark.parametrize("script", ["set_env.sh", "infer.sh"])
+@pytest.mark.parametrize("script", ["set_env.sh", "infer.sh", "device-check"])
 def test_shell_syntax(script):
     subprocess.run(["bash", "-n", str(DEPLOY / script)], check=True, timeout=30)
     if shutil.which("shellcheck"):
@@ -273,3 +273,15 @@ def test_grafana_dashboard_uses_only_exported_metrics():
             if "histogram_quantile" in t["expr"]:
                 assert re.search(r"rate\(dsv4:\w+_bucket\{[^}]*\}\[1m\]\)", t["expr"]), t["expr"]
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+
+
+def test_device_check_runs_on_cpu():
+    """deploy/device-check (written for CUDA / Ascend) on CPU with the uncompiled graph math: it
+    prints a row per mode and batch and reports equal tokens."""
+    r = subprocess.run([str(DEPLOY / "device-check"), "--device", "cpu", "--modes", "eager,static", "--batches", "2",
+                        "--steps", "4", "--prompt-len", "130"], cwd=ROOT, env=_env(PYTHON=sys.executable),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("eager ", "static "))]
+    assert [(row[0], row[1], row[-1]) for row in rows] == [("eager", "2", "True"), ("static", "2", "True")]
+    assert float(rows[1][4]) < 1e-4 and "device-check: OK" in r.stdout

@@ -72,9 +72,35 @@ class MoE(nn.Module):
         inter = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args.hidden_size, inter, args.swiglu_limit, dtype, ops) if inter else None
 
+    # set by Transformer.configure: tokens per routed-expert dispatch (custom_params.
+    # moe_chunk_max_len; None = all at once), and the platform + side stream for the shared expert
+    chunk: int | None = None
+    platform = None
+    side = None
+
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]``."""
+        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]``.
+
+        The routed experts run on chunks of at most ``chunk`` tokens (bounds the dispatch buffers
+        of a long prefill; a row's result does not depend on its chunk). With a side stream the
+        shared expert runs on it beside the routed experts (reference §8.2).
+        """
         weights, ids = self.gate(x, tokens)
         e = self.experts
-        y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit)
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        p, side = self.platform, self.side
+        shared = None
+        if self.shared_experts is not None and side is not None:
+            with p.side_stream(side):
+                shared = self.shared_experts(x)
+        T, c = x.shape[0], self.chunk or x.shape[0]
+        if T <= c:
+            y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit)
+        else:
+            y = torch.cat([self.ops.moe_experts(x[i:i + c], ids[i:i + c], weights[i:i + c], e.w1, e.w3, e.w2,
+                                                self.limit) for i in range(0, T, c)])
+        if self.shared_experts is None:
+            return y
+        if shared is None:
+            return y + self.shared_experts(x)
+        p.join(side, shared)
+        return y + shared

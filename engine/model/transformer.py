@@ -114,6 +114,13 @@ class Transformer(nn.Module):
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
 
+    def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False) -> None:
+        """Run options of the eager path: routed-MoE chunk length (custom_params.moe_chunk_max_len),
+        and with ``multi_streams`` on a device platform the shared expert on a side stream (§8.2)."""
+        side = platform.new_stream() if multi_streams and platform is not None else None
+        for layer in [*self.layers, *self.mtp]:
+            layer.ffn.chunk, layer.ffn.platform, layer.ffn.side = moe_chunk_max_len, platform, side
+
     def _rope(self, ratio: int) -> RotaryTable:
         """Window-only layers use the main rope; CSA / HCA the YaRN compress rope (§3.3 step 3)."""
         return self.rope_compress if ratio else self.rope_main

@@ -1,0 +1,120 @@
+"""Device check (issue 6): the tiny model eager vs graph-mode decode, multi-streams off vs on.
+
+Prints, per mode and batch size, the median decode step time and the largest logprob difference
+from eager (top-20 logprobs of every sampled position), and whether the greedy tokens are equal.
+Run by ``deploy/device-check``; on a CUDA machine it finishes in a few minutes.
+
+    python deploy/device_check.py [--device auto|cuda:0|npu:0|cpu] [--dtype float32|bfloat16]
+                                  [--modes eager,static,graph,graph+streams] [--steps 64]
+
+Modes: ``eager`` (Transformer.forward_batch), ``static`` (the fixed-shape step run eagerly: the
+graph mode's math), ``graph`` (CUDA graphs / npugraph_ex / torch.compile on CPU), and
+``graph+streams`` (graph with enable_multi_streams).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.ops import ops_for  # noqa: E402
+from engine.platform import detect  # noqa: E402
+from engine.runner import DecodeRunner, ExecConfig  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.tiny import make_tiny  # noqa: E402
+from engine.weights import load_model  # noqa: E402
+
+MAX_LEN = 2048
+
+
+def run_mode(model, plat, mode: str, batch: int, prompts, steps: int):
+    eng = LLMEngine.build(model, block_size=64, batch_size=batch, max_prefill_tokens=4096, max_model_len=MAX_LEN,
+                          num_kv_blocks=64 * batch, num_reserved_decode_tokens=0)
+    warm = 0.0
+    if mode != "eager":
+        cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=mode.endswith("+streams"))
+        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch, plat, cfg)
+        if mode == "static":
+            eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
+        t = time.perf_counter()
+        eng.runner.warmup()
+        warm = time.perf_counter() - t
+    params = SamplingParams(max_new_tokens=steps, temperature=0, ignore_eos=True, logprobs=20)
+    for i, p in enumerate(prompts[:batch]):
+        eng.add_request(f"r{i}", p, params)
+    outs: dict[str, list] = {f"r{i}": [] for i in range(batch)}
+    step_s = []
+    while eng.has_unfinished():
+        decode = all(s.num_pending == 1 and s.num_computed > 0 for s in eng.scheduler.running) and eng.scheduler.running
+        plat.synchronize()
+        t = time.perf_counter()
+        got = eng.step()
+        plat.synchronize()
+        if decode and not eng.scheduler.waiting:
+            step_s.append(time.perf_counter() - t)
+        for o in got:
+            outs[o.request_id] += list(zip(o.new_token_ids, o.new_logprobs))
+    assert eng.num_free_blocks() == eng.num_total_blocks(), "state leaked"
+    return outs, statistics.median(step_s[2:] or step_s), warm
+
+
+def compare(ref, got) -> tuple[float, bool]:
+    worst, same = 0.0, True
+    for rid, seq in ref.items():
+        other = got[rid]
+        same &= [t for t, _ in seq] == [t for t, _ in other]
+        for (_, a), (_, b) in zip(seq, other):
+            da = dict(a.top_logprobs)
+            worst = max([worst] + [abs(da[t] - v) for t, v in b.top_logprobs if t in da])
+    return worst, same
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--modes", default="eager,static,graph,graph+streams")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=600)
+    a = ap.parse_args(argv)
+    plat = detect(a.device)
+    plat.activate()
+    modes = a.modes.split(",")
+    print(f"device-check: {plat.kind} {plat.device} ({torch.cuda.get_device_name(plat.device) if plat.kind == 'cuda' else ''}) "
+          f"torch {torch.__version__}, dtype {a.dtype}, modes {modes}", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = make_tiny("flash", 0, Path(d) / "tiny")
+        model = load_model(ckpt, dtype=getattr(torch, a.dtype), device=plat.device, ops=ops_for(plat.kind),
+                           progress=False)
+    g = torch.Generator().manual_seed(0)
+    batches = [int(b) for b in a.batches.split(",")]
+    prompts = [torch.randint(2, model.args.vocab_size, (a.prompt_len + 37 * i,), generator=g).tolist()
+               for i in range(max(batches))]
+    print(f"{'mode':<15}{'batch':>6}{'decode step ms':>16}{'warm-up s':>11}{'max |dlogprob|':>16}  tokens = eager")
+    ok = True
+    for batch in batches:
+        ref = None
+        for mode in modes:
+            model.configure(None, plat, mode.endswith("+streams"))
+            outs, step, warm = run_mode(model, plat, mode, batch, prompts, a.steps)
+            if ref is None:
+                ref = outs
+            worst, same = compare(ref, outs)
+            ok &= same
+            print(f"{mode:<15}{batch:>6}{step * 1e3:>16.2f}{warm:>11.1f}{worst:>16.2e}  {same}", flush=True)
+    model.configure(None)
+    print("device-check:", "OK" if ok else "MISMATCH (greedy tokens differ from eager)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Fixed-shape decode step over the paged pools: one token per sequence, no host syncs.
+
+The graph-capturable twin of ``Transformer.forward_batch`` for one token per sequence
+(reference/dsv4-architecture.md §3 for the math, §8.4 for graph mode). Every shape depends only
+on the bucket size B and the pool geometry, and every index (ring slot, entry slot, state slot) is
+computed on the device from positions and block tables, so the step can be captured as a CUDA
+graph, compiled by torch.compile / npugraph_ex and replayed. Data-dependent branches are masks: a
+compressor window that does not close this step writes its pooled entry to the pool's trash row;
+attention and the indexer see every entry the tables can hold, masked to the causal ones.
+
+Padding rows of a bucket use ``cache.pad_slot`` / ``cache.pad_win_blocks`` at position 0, so
+they write only scratch state. Letters: B rows, h heads, d head dim, W window, N entries, k top-k.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache import PagedCache
+from engine.config import CSA_RATIO, HCA_RATIO
+from engine.model.attention import Attention, Compressor
+from engine.model.moe import MoE
+from engine.model.transformer import Block, Transformer
+from engine.ops import reference
+from engine.platform import Platform, detect
+
+# A3 core budgets per branch (reference §8.3): (AI-cube, AI-vector) cores
+CORES_COMPRESSOR = (16, 32)
+CORES_MAIN = (24 - 8, 2 * (24 - 8))
+
+
+def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
+    """Slot mapping per row: table ``[B, nb]``, entry / ring indices ``idx [B, n]`` -> flat pool rows."""
+    return table.gather(1, idx // bs) * bs + idx % bs
+
+
+def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                         w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts without host syncs: each of the k slots gathers its rows' expert weights.
+
+    Same math as ``reference.moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per
+    slot, so it suits decode buckets, not prefill. Accumulates in fp32 in slot order.
+
+    Args:
+        x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+    Returns:
+        ``[B, H]`` in x.dtype.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xb = x.unsqueeze(-1)                                                        # [B, H, 1]
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        g = torch.bmm(w1[e].to(x.dtype), xb).squeeze(-1)                        # [B, I]
+        u = torch.bmm(w3[e].to(x.dtype), xb).squeeze(-1)
+        h = reference.swiglu_clamp(g, u, limit)
+        y = torch.bmm(w2[e].to(x.dtype), h.unsqueeze(-1)).squeeze(-1)           # [B, H]
+        out += y.float() * weights[:, j:j + 1].float()
+    return out.to(x.dtype)
+
+
+class StaticDecoder:
+    """One decode step for B sequences (one token each) with fixed shapes.
+
+    Args:
+        model: the loaded ``Transformer`` (its ops table is used for the row-wise ops).
+        cache: the engine's ``PagedCache`` (pools updated in place, like the eager path).
+        max_model_len: tokens per request; sizes the block-table widths and the RoPE tables.
+        platform: streams and core limits (``detect("cpu")`` when None).
+        multi_streams: run the compressors beside the query / KV projections on a side stream,
+            and the shared expert beside the routed experts (§8.2); no-op on CPU.
+        limit_core: A3 core budgets per stream (§8.3); needs ``multi_streams``.
+    """
+
+    def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, platform: Platform | None = None,
+                 multi_streams: bool = False, limit_core: bool = False):
+        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.platform = platform or detect("cpu")
+        g = cache.geometry
+        self.bs = g.block_size
+        self.widths = {"win": g.blocks_needed("win", 0), "c4": g.blocks_needed("c4", max_model_len),
+                       "c128": g.blocks_needed("c128", max_model_len)}
+        dev = model.embed.weight.device
+        pos = torch.arange(max_model_len, device=dev)
+        # same fp32 values as RotaryTable.cos_sin per step, looked up instead of computed (no fp64)
+        self.rope = {id(model.rope_main): model.rope_main.cos_sin(pos),
+                     id(model.rope_compress): model.rope_compress.cos_sin(pos)}
+        p = self.platform
+        self.side = p.new_stream() if multi_streams else None
+        self.limit_core = limit_core and self.side is not None
+
+    # ---- streams (plain no-op contexts when off: nothing for a graph tracer to trip on) ----
+    def _side(self):
+        return self.platform.side_stream(self.side) if self.side is not None else nullcontext()
+
+    def _cores(self, budget: tuple[int, int]):
+        return self.platform.limit_core(*budget) if self.limit_core else nullcontext()
+
+    def _join(self, *made_on_side: torch.Tensor) -> None:
+        if self.side is not None:
+            self.platform.join(self.side, *made_on_side)
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def tables(self, block_lists: list[dict[str, list[int]]], B: int) -> dict[str, torch.Tensor]:
+        """Block tables ``[B, width]`` int64 per pool from each row's block lists (host side);
+        rows past ``len(block_lists)`` are padding (scratch ring, block 0 elsewhere, masked)."""
+        out = {}
+        for pool, w in self.widths.items():
+            t = torch.zeros(B, max(w, 1), dtype=torch.long)
+            for i, tables in enumerate(block_lists):
+                blocks = tables.get(pool, [])
+                t[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            if pool == "win":
+                t[len(block_lists):, :w] = torch.tensor(self.cache.pad_win_blocks, dtype=torch.long)
+            out[pool] = t
+        return out
+
+    # ---- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, win_table: torch.Tensor,
+                 c4_table: torch.Tensor, c128_table: torch.Tensor) -> torch.Tensor:
+        """Run one token per row and update the pools.
+
+        Args:
+            tokens, positions, slots: ``[B]`` int64 (token id, its position = tokens already in
+                the state, state slot). win_table / c4_table / c128_table: ``[B, width]`` int64.
+        Returns:
+            ``[B, H]`` final hidden states (after hc_head and the final norm), compute dtype.
+        """
+        m, a = self.model, self.model.args
+        tables = {"win": win_table, "c4": c4_table, "c128": c128_table}
+        rope = {k: (cos[positions], sin[positions]) for k, (cos, sin) in self.rope.items()}
+        X = F.embedding(tokens, m.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        for i, layer in enumerate(m.layers):
+            X = self._block(i, layer, X, tokens, positions, slots, tables, *rope[id(m._rope(layer.attn.ratio))])
+        h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)
+        return m.norm(h).to(m.dtype)
+
+    def _block(self, i: int, layer: Block, X, tokens, positions, slots, tables, cos, sin):
+        """``Block.forward`` (§3.2) with the static attention and MoE."""
+        y, post, comb = layer._hc_pre(X, "attn")
+        o = self._attention(i, layer.attn, layer.attn_norm(y).to(layer.dtype), positions, slots, tables, cos, sin)
+        X = layer.ops.hc_post(o, X, post, comb)
+        y, post, comb = layer._hc_pre(X, "ffn")
+        f = self._moe(layer.ffn, layer.ffn_norm(y).to(layer.dtype), tokens)
+        return layer.ops.hc_post(f, X, post, comb)
+
+    def _attention(self, i: int, att: Attention, x, positions, slots, tables, cos, sin):
+        """``Attention.forward`` (§3.3) for one token per row, over the paged pools."""
+        B, ops, c = x.shape[0], att.ops, self.cache
+        pool = "c4" if att.ratio == CSA_RATIO else "c128"
+        with self._side(), self._cores(CORES_COMPRESSOR):
+            if att.compressor is not None:      # entries written before attention reads them
+                self._compress(att.compressor, x, positions, slots, c.cmp_kv[i], c.comp[i], tables[pool],
+                               c.trash_row[pool], x.dtype)
+            if att.indexer is not None:
+                self._compress(att.indexer.compressor, x, positions, slots, c.idx_kv[i], c.idx_comp[i],
+                               tables["c4"], c.trash_row["c4"], c.idx_kv[i].dtype)
+        with self._cores(CORES_MAIN):
+            c_q = att.q_norm(att.wq_a(x))
+            q = att.wq_b(c_q).view(B, att.n_heads, att.head_dim)
+            q = ops.rope(ops.rms_norm(q, None, att.eps), cos, sin)
+            kv = ops.rope(att.kv_norm(att.wkv(x)), cos, sin)
+            if att.indexer is not None:
+                iq, iw = att.indexer.project(x, c_q, cos, sin)
+        self._join()
+        # window ring: write this token, then read positions p-W+1 .. p (ring_len >= W)
+        W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
+        win[_rows(tables["win"], bs, (positions % R)[:, None])[:, 0]] = kv
+        wpos = positions[:, None] - W + 1 + torch.arange(W, device=x.device)
+        wk = win[_rows(tables["win"], bs, wpos % R)].float()                     # [B, W, d]
+        qf, scale = q.float(), att.head_dim ** -0.5
+        scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill((wpos < 0)[:, None], float("-inf"))]
+        ck = None
+        if att.ratio == HCA_RATIO:                                               # dense causal entries
+            N = self.widths["c128"] * bs
+            ck = c.cmp_kv[i][_rows(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))].float()
+            seen = torch.arange(N, device=x.device)[None] < ((positions + 1) // HCA_RATIO)[:, None]
+            scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
+        elif att.ratio == CSA_RATIO:                                             # indexer's top-k entries
+            topk = self._indexer_topk(i, att, iq, iw, positions, tables["c4"])
+            ck = c.cmp_kv[i][_rows(tables["c4"], bs, topk.clamp_min(0))].float()   # [B, k, d]
+            s = torch.einsum("bhd,bkd->bhk", qf, ck).mul(scale)
+            scores.append(s.masked_fill((topk < 0)[:, None], float("-inf")))
+        sink = att.attn_sink.float().view(1, -1, 1).expand(B, -1, 1)
+        logits = torch.cat(scores + [sink], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
+        o = torch.einsum("bhw,bwd->bhd", probs[..., :W], wk)
+        if ck is not None:
+            o = o + torch.einsum("bhn,bnd->bhd", probs[..., W:-1], ck)
+        o = ops.rope(o.to(q.dtype), cos, -sin)
+        o = ops.grouped_linear(o.reshape(B, att.n_groups, -1), att.wo_a.weight)
+        return att.wo_b(o.flatten(1))
+
+    def _indexer_topk(self, i: int, att: Attention, iq, iw, positions, table):
+        """Lightning-indexer top-k (§3.5) over every entry the table can hold, masked to the causal ones."""
+        c, bs, idx = self.cache, self.bs, att.indexer
+        N = self.widths["c4"] * bs
+        keys = c.idx_kv[i][_rows(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
+        s = F.relu(torch.einsum("bhd,bnd->bhn", iq.float(), keys)) * idx.head_dim ** -0.5
+        s = (s * iw.float().unsqueeze(-1)).sum(dim=1)                             # [B, N]
+        allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
+        return reference._topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
+
+    def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
+        """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the
+        state slot, pool the window, and write the entry (or, when the window stays open, trash)."""
+        m, width = comp.ape.shape
+        overlap = m == CSA_RATIO
+        d = width // 2 if overlap else width
+        skv, ssc = state
+        xf = x.float()
+        r = positions % m
+        skv[slots, r] = comp.ops.linear(xf, comp.wkv.weight)
+        ssc[slots, r] = comp.ops.linear(xf, comp.wgate.weight) + comp.ape.float()[r]
+        cur_kv, cur_sc = skv[slots, :m], ssc[slots, :m]                         # [B, m, width]
+        closing = (r == m - 1)[:, None, None]
+        if overlap:
+            prev_kv, prev_sc = skv[slots, m:2 * m, :d], ssc[slots, m:2 * m, :d]
+            ckv = torch.cat([prev_kv, cur_kv[..., d:]], dim=1)                  # [B, 2m, d]
+            csc = torch.cat([prev_sc, cur_sc[..., d:]], dim=1)
+            skv[slots, m:2 * m, :d] = torch.where(closing, cur_kv[..., :d], prev_kv)
+            ssc[slots, m:2 * m, :d] = torch.where(closing, cur_sc[..., :d], prev_sc)
+        else:
+            ckv, csc = cur_kv, cur_sc
+        pooled = (ckv * csc.softmax(dim=1)).sum(dim=1)                           # [B, d]
+        first = positions - r                                                     # entry position m * i
+        cos, sin = self.rope[id(comp.rope)]
+        entry = comp.ops.rope(comp.norm(pooled), cos[first], sin[first]).to(out_dtype)
+        rows = _rows(table, self.bs, (positions // m)[:, None])[:, 0]
+        pool[torch.where(closing[:, 0, 0], rows, torch.full_like(rows, trash))] = entry
+
+    def _moe(self, moe: MoE, x, tokens):
+        """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on."""
+        weights, ids = moe.gate(x, tokens)
+        e = moe.experts
+        with self._side():
+            shared = moe.shared_experts(x) if moe.shared_experts is not None else None
+        if moe.ops.moe_experts is reference.moe_experts:
+            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
+        else:      # a platform kernel (grouped matmul with a device-side group list): graph-safe
+            y = moe.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
+        self._join(*(() if shared is None else (shared,)))
+        return y if shared is None else y + shared
+

@@ -1,0 +1,191 @@
+"""Decode runner: eager, or graph mode over batch-size buckets (reference/dsv4-architecture.md §8.4).
+
+``exe_mode`` (run config ``model_config.exe_mode``) picks how single-token rows (decode) run;
+prefill always runs eager through ``Transformer.forward_batch``:
+
+    eager         the model's eager path, no runner
+    npugraph_ex   Ascend: torch.compile(backend="npugraph_ex") (CANN AclGraph); CUDA: CUDA graphs;
+                  CPU: torch.compile (inductor)
+    ge_graph      Ascend: torchair's GE backend; CUDA / CPU: as npugraph_ex
+
+The graph-mode step is ``StaticDecoder`` (fixed shapes, no host syncs), padded to the smallest
+bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only) that holds the rows, and
+warmed up (captured / compiled) for every bucket at start so no request pays for a compile.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import PagedCache
+from engine.model.static_decode import StaticDecoder
+from engine.model.transformer import Transformer
+from engine.platform import Platform
+
+log = logging.getLogger(__name__)
+
+GRAPH_MODES = ("npugraph_ex", "ge_graph")
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How decode runs (run-config keys in parentheses).
+
+    exe_mode (model_config.exe_mode); multi_streams (custom_params.enable_multi_streams);
+    limit_core (custom_params.enable_limit_core); static_kernel (model_config.enable_static_kernel);
+    cache_compile (model_config.enable_cache_compile) with compile_dir (model_config.output_path);
+    dynamic_graph (model_config.enable_dynamic_graph, npugraph_ex only); superkernel
+    (custom_params.enable_superkernel).
+    """
+
+    exe_mode: str = "eager"
+    multi_streams: bool = False
+    limit_core: bool = False
+    static_kernel: bool = False
+    cache_compile: bool = False
+    compile_dir: str = ""
+    dynamic_graph: bool = False
+    superkernel: bool = False
+
+    @property
+    def graph(self) -> bool:
+        return self.exe_mode in GRAPH_MODES
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch-size buckets: powers of two below ``max_batch``, then ``max_batch``."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class DecodeRunner:
+    """Runs B single-token rows through a compiled / captured ``StaticDecoder`` step.
+
+    Args:
+        model, cache: the engine's model and pools. max_model_len: tokens per request.
+        max_batch: rows per step at most (the engine's batch size). platform: the device.
+        cfg: ``ExecConfig`` with a graph ``exe_mode``.
+    Raises:
+        PlatformError: a graph backend this machine lacks (torchair for ge_graph on Ascend).
+    """
+
+    def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, max_batch: int,
+                 platform: Platform, cfg: ExecConfig):
+        self.platform, self.cfg, self.cache = platform, cfg, cache
+        self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core)
+        # CPU replays nothing: one bucket (the batch size) is one compile instead of log2(batch) ones
+        self.buckets = [max_batch] if platform.kind == "cpu" else buckets(max_batch)
+        self.device = model.embed.weight.device
+        self._fns: dict[int, object] = {}
+        self._compiled = None
+        self.warmup_s = 0.0
+        self.backend = {"cpu": "torch.compile (inductor)", "cuda": "CUDA graphs"}.get(
+            platform.kind, f"torch.compile (backend {'npugraph_ex' if cfg.exe_mode == 'npugraph_ex' else 'torchair GE'})")
+
+    # ---- build ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile / capture every bucket now (padding rows only: no request state is touched)."""
+        t = time.perf_counter()
+        for B in reversed(self.buckets):       # largest first: smaller graphs reuse its memory pool
+            self._fn(B)(*self._inputs([], B))
+        self.platform.synchronize()
+        self.warmup_s = time.perf_counter() - t
+        log.info("decode graphs ready: %s, buckets %s, %.1f s", self.backend, self.buckets, self.warmup_s)
+
+    def _fn(self, B: int):
+        fn = self._fns.get(B)
+        if fn is None:
+            fn = self._fns[B] = self._capture(B) if self.platform.kind == "cuda" else self._compile()
+        return fn
+
+    def _compile(self):
+        """One compiled callable for every bucket (a specialisation per bucket shape)."""
+        if self._compiled is None:
+            kind, cfg = self.platform.kind, self.cfg
+            if kind == "cpu":
+                self._compiled = torch.compile(self.static.__call__, fullgraph=True, dynamic=False)
+            elif cfg.exe_mode == "npugraph_ex":
+                self._compiled = _npugraph_ex(self.static.__call__, cfg)
+            else:
+                self._compiled = _ge_graph(self.static.__call__, cfg)
+        return self._compiled
+
+    def _capture(self, B: int):
+        """A CUDA graph of the step for bucket B, replayed over static input buffers."""
+        p = self.platform
+        bufs = [t.to(self.device) for t in self._inputs([], B)]
+        s = p.new_stream()
+        with p.side_stream(s):                 # warm-up launches outside the capture (cuBLAS handles)
+            for _ in range(2):
+                self.static(*bufs)
+        p.join(s)
+        graph = p.new_graph()
+        self._pool = getattr(self, "_pool", None) or p.graph_pool_handle()
+        with p.capture(graph, pool=self._pool):
+            out = self.static(*bufs)
+
+        def replay(*inputs: torch.Tensor) -> torch.Tensor:
+            for buf, t in zip(bufs, inputs):
+                buf.copy_(t, non_blocking=True)
+            graph.replay()
+            return out
+        return replay
+
+    # ---- run --------------------------------------------------------------------------------
+    def _inputs(self, rows: list[tuple[int, int, int, dict]], B: int) -> list[torch.Tensor]:
+        """(token, position, state slot, block tables) per row -> the step's padded inputs."""
+        n, c = len(rows), self.cache
+        tokens = torch.zeros(B, dtype=torch.long)
+        positions = torch.zeros(B, dtype=torch.long)
+        slots = torch.full((B,), c.pad_slot, dtype=torch.long)
+        for i, (tok, pos, slot, _) in enumerate(rows):
+            tokens[i], positions[i], slots[i] = tok, pos, slot
+        t = self.static.tables([r[3] for r in rows], B)
+        out = [tokens, positions, slots, t["win"], t["c4"], t["c128"]]
+        assert n <= B
+        return [x.to(self.device, non_blocking=True) for x in out]
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding ``n`` rows. Raises ValueError past the largest."""
+        for B in self.buckets:
+            if B >= n:
+                return B
+        raise ValueError(f"decode runner: {n} rows exceed the largest bucket {self.buckets[-1]}")
+
+    def run(self, rows: list[tuple[int, int, int, dict]]) -> torch.Tensor:
+        """rows: (token id, position, state slot, {pool: block ids}) -> hidden ``[len(rows), H]``.
+
+        Each row's state must already hold room for its position (the scheduler allocates first).
+        """
+        B = self.bucket(len(rows))
+        return self._fn(B)(*self._inputs(rows, B))[: len(rows)]
+
+
+def _npugraph_ex(fn, cfg: ExecConfig):
+    """Ascend AclGraph capture through torch.compile (§8.4): ``backend="npugraph_ex"`` with
+    frozen parameters, static kernels and the super-kernel option as configured; with
+    ``enable_cache_compile`` the compiled graph is cached under ``compile_dir``."""
+    importlib.import_module("torch_npu")       # registers the npugraph_ex backend
+    options = {"frozen_parameter": True, "static_kernel_compile": cfg.static_kernel,
+               "super_kernel_optimize": cfg.superkernel}
+    if cfg.cache_compile:
+        return torch.npu.npugraph_ex.inference.cache_compile(fn, cache_dir=cfg.compile_dir or "compile_cache",
+                                                             options=options)
+    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=cfg.dynamic_graph, options=options)
+
+
+def _ge_graph(fn, cfg: ExecConfig):
+    """torchair GE graph (§8.4): ``get_npu_backend(CompilerConfig)`` with frozen parameters and
+    StableRDFS topological sorting."""
+    import torchair
+    conf = torchair.CompilerConfig()
+    conf.experimental_config.frozen_parameter = True
+    conf.experimental_config.topology_sorting_strategy = "StableRDFS"
+    return torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=conf), fullgraph=True, dynamic=False)

@@ -1,0 +1,183 @@
+"""Graph-mode decode (issue 6): the fixed-shape step equals the eager path, compiled or not;
+moe_chunk_max_len and multi-streams change no output; buckets and wiring."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.build import build_engine, check_platform_version, exec_config
+from engine.config import ConfigError
+from engine.platform import soc_platform
+from engine.llm_engine import LLMEngine
+from engine.platform import detect
+from engine.run_config import RunConfig
+from engine.runner import DecodeRunner, ExecConfig, buckets
+from engine.sampling import SamplingParams
+from engine.weights import load_model
+
+MAX_LEN = 1024
+# logprob tolerance: the static step sums the same fp32 terms in another order (masked padding
+# entries, experts by slot instead of by id); greedy tokens must still be identical
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt("flash", 1), progress=False)
+
+
+def _engine(model, batch_size=4, runner_cfg: ExecConfig | None = None, **kw):
+    eng = LLMEngine.build(model, **{**dict(block_size=16, batch_size=batch_size, max_prefill_tokens=256,
+                                           max_model_len=MAX_LEN, num_kv_blocks=48, num_reserved_decode_tokens=0),
+                                    **kw})
+    if runner_cfg is not None:
+        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch_size, detect("cpu"), runner_cfg)
+    return eng
+
+
+def _uncompiled(eng: LLMEngine) -> LLMEngine:
+    """The runner's static step run eagerly (the math of graph mode without the compile time)."""
+    eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
+    return eng
+
+
+def _workload(model, n=5, seed=0):
+    rng = random.Random(seed)
+    V = model.args.vocab_size
+    # lengths cross CSA (4) and HCA (128) window closes during decode; 1-token and 255-token
+    # prompts put single-token rows at position 0 and after a 256-token chunk
+    lens = [1, 126, 255, 300, 511][:n]
+    prompts = [[rng.randrange(V) for _ in range(L)] for L in lens]
+    params = [SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=4) if i % 2 == 0 else
+              SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True, logprobs=4)
+              for i in range(n)]
+    return prompts, params
+
+
+def _assert_same(a, b, atol=LOGPROB_ATOL):
+    worst = 0.0
+    for x, y in zip(a, b):
+        assert x.output_ids == y.output_ids
+        for p, q in zip(x.logprobs, y.logprobs):
+            worst = max(worst, abs(p.logprob - q.logprob))
+            assert [t for t, _ in p.top_logprobs] == [t for t, _ in q.top_logprobs]
+            for (_, u), (_, v) in zip(p.top_logprobs, q.top_logprobs):
+                worst = max(worst, abs(u - v))
+    assert worst <= atol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def eager_out(model):
+    prompts, params = _workload(model)
+    eng = _engine(model)
+    out = eng.generate(prompts, params)
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+    return prompts, params, out
+
+
+def test_static_step_matches_eager_with_padding(model, eager_out):
+    """Batch 4 over 5 requests: buckets 1, 2, 4 with padding rows; same tokens, logprobs within
+    1e-4; every block free afterwards (padding rows touched only scratch state)."""
+    prompts, params, ref = eager_out
+    eng = _uncompiled(_engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex")))
+    eng.runner.buckets = buckets(4)
+    eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
+    worst = _assert_same(ref, eng.generate(prompts, params))
+    print(f"static vs eager: max |logprob diff| {worst:.2e}")
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+def test_static_step_multi_streams_and_limit_core_are_noops_on_cpu(model, eager_out):
+    prompts, params, ref = eager_out
+    cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=True, limit_core=True)
+    eng = _uncompiled(_engine(model, runner_cfg=cfg))
+    assert eng.runner.static.side is None and not eng.runner.static.limit_core
+    _assert_same(ref, eng.generate(prompts, params))
+
+
+def test_torch_compile_on_cpu_matches_eager(model, eager_out):
+    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up before serving."""
+    prompts, params, ref = eager_out
+    eng = _engine(model, batch_size=2, runner_cfg=ExecConfig(exe_mode="npugraph_ex"))
+    eng.runner.warmup()
+    assert eng.runner.buckets == [2] and eng.runner.warmup_s > 0
+    worst = _assert_same(ref, eng.generate(prompts, params))
+    print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.warmup_s:.0f} s")
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_moe_chunk_max_len_changes_nothing(model, chunk):
+    """A 300-token prefill with the routed experts dispatched in chunks: bit-identical hidden states."""
+    tokens = torch.randint(0, model.args.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+    model.configure(None)
+    ref = model.forward(tokens, model.new_state())
+    try:
+        model.configure(chunk)
+        got = model.forward(tokens, model.new_state())
+    finally:
+        model.configure(None)
+    assert torch.equal(ref, got)
+
+
+def test_buckets_and_bucket_choice(model):
+    assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(12) == [1, 2, 4, 8, 12]
+    eng = _engine(model, batch_size=4, runner_cfg=ExecConfig(exe_mode="ge_graph"))
+    assert eng.runner.buckets == [4]            # CPU: one compile
+    assert eng.runner.bucket(3) == 4
+    with pytest.raises(ValueError, match="exceed the largest bucket 4"):
+        eng.runner.bucket(5)
+
+
+def _cfg(tiny, exe_mode="eager", **custom):
+    return RunConfig.from_dict({
+        "model_config": {"model_path": str(tiny), "dtype": "float32", "exe_mode": exe_mode,
+                         "custom_params": {"moe_chunk_max_len": 64, **custom}},
+        "scheduler_config": {"batch_size": 2, "block_size": 16, "max_model_len": 512, "cpu_memory_gb": 0.5}})
+
+
+def test_build_engine_wires_the_run_config(tiny_ckpt):
+    cfg = _cfg(tiny_ckpt("flash", 1), "npugraph_ex", enable_multi_streams=True)
+    ex = exec_config(cfg)
+    assert ex.graph and ex.multi_streams and ex.exe_mode == "npugraph_ex"
+    eng = build_engine(cfg, progress=False, graph=False)         # a prefill worker: eager, no compile
+    assert eng.runner is None
+    assert all(layer.ffn.chunk == 64 and layer.ffn.side is None for layer in eng.model.layers)
+    eager = build_engine(_cfg(tiny_ckpt("flash", 1)), progress=False)
+    assert eager.runner is None
+
+
+@pytest.mark.parametrize("length", [3, 4, 127, 128, 515])
+def test_pd_split_with_graph_decode_gives_the_same_tokens(model, length):
+    """State exported by an eager prefill engine, decoded by the static step: the eager tokens."""
+    prompt = torch.randint(2, model.args.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    params = SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    ref = _engine(model).generate([prompt], params)[0].output_ids
+    p_eng, d_eng = _engine(model), _uncompiled(_engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex")))
+    p_eng.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}), hold_state=True)
+    while p_eng.has_unfinished():
+        p_eng.step()
+    seq, tensors = p_eng.export_state("r")
+    d_eng.add_prefilled("r", prompt, seq.output_ids[0], params, tensors)
+    out = [seq.output_ids[0]]
+    while d_eng.has_unfinished():
+        out += [t for o in d_eng.step() for t in o.new_token_ids]
+    assert out == ref
+    assert d_eng.num_free_blocks() == d_eng.num_total_blocks()
+
+
+def test_ascend_generation_checks():
+    assert [soc_platform(n) for n in ("Ascend910_9392", "Ascend910B3", "Ascend950PR", "Ascend310P")] == \
+        ["A3", "A2", "950", None]
+    limit = {"enable_multi_streams": True, "enable_limit_core": True}
+    cfg = RunConfig.from_dict({"model_config": {"custom_params": limit}})
+    check_platform_version(cfg, "A3")
+    check_platform_version(cfg, None)                   # unknown SoC: the YAML decides (A3 by default)
+    with pytest.raises(ConfigError, match=r"custom_params\.enable_limit_core: A3 only, but the device is '950'"):
+        check_platform_version(cfg, "950")
+    a2 = RunConfig.from_dict({"model_config": {"platform_version": "A2"}})
+    with pytest.raises(ConfigError, match=r"model_config\.platform_version: 'A2', but the device is 'A3'"):
+        check_platform_version(a2, "A3")

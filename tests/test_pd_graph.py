@@ -1,0 +1,68 @@
+"""A decode worker in graph mode (exe_mode npugraph_ex: torch.compile on CPU) behind real
+``launch-pd`` processes: it compiles before it reports ready, and its streams carry the eager
+in-process engine's tokens."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import pytest
+import yaml
+from openai import OpenAI
+
+from engine.build import build_engine
+from engine.run_config import RunConfig
+from engine.sampling import SamplingParams
+from pd_util import CONFIG, rand_prompt, start_pd, wait_idle
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return str(tiny_ckpt("flash", 1))
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pd-graph")
+    raw = yaml.safe_load(open(CONFIG))
+    raw["model_config"]["exe_mode"] = "npugraph_ex"
+    raw["scheduler_config"]["batch_size"] = 2
+    cfg = d / "graph.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    pd = start_pd(ckpt, d / "pd.log", config=str(cfg))
+    yield pd
+    pd.stop()
+
+
+def _wait_ready(pd, name: str, timeout_s: float = 300) -> None:
+    end = time.monotonic() + timeout_s
+    while httpx.get(pd.ready_urls[name], timeout=5).status_code != 200:
+        if time.monotonic() > end:
+            pytest.fail(f"{name} not ready within {timeout_s} s")
+        time.sleep(0.5)
+
+
+def test_graph_decode_worker_streams_the_eager_tokens(cluster, ckpt):
+    for name in ("prefill0", "decode0"):
+        _wait_ready(cluster, name)
+    health = httpx.get(cluster.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
+    assert health["exe_mode"] == "npugraph_ex" and health["graph"]["backend"] == "torch.compile (inductor)"
+    assert health["graph"]["buckets"] == [2] and health["graph"]["warmup_s"] > 0
+    eager = build_engine(RunConfig.from_yaml(CONFIG), ckpt, progress=False)
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    cases = [(100, 0.0, 0), (129, 0.8, 7), (300, 0.0, 0), (61, 1.0, 11)]
+
+    def one(case):
+        n, temperature, seed = case
+        r = client.completions.create(model=model, prompt=rand_prompt(n, n), max_tokens=12, temperature=temperature,
+                                      seed=seed, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(one, cases))
+    for (n, temperature, seed), ids in zip(cases, got):
+        p = SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
+        assert ids == eager.generate([rand_prompt(n, n)], p)[0].output_ids, (n, temperature)
+    wait_idle(cluster, ["prefill0", "decode0"])
