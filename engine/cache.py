@@ -112,8 +112,11 @@ def plan_cache(args: ModelArgs, dtype: torch.dtype, block_size: int, max_seqs: i
     g = Geometry.of(args, block_size, next_n)
     esize = torch.empty(0, dtype=dtype).element_size()
     growing = {p: g.bytes_per_block(p, esize) for p in GROWING if g.bytes_per_block(p, esize)}
-    fixed = max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
-                        + sum(growing.values()))
+    # + the scratch part (one more window ring and state slot, one trash row per entry pool)
+    fixed = (max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
+                         + sum(growing.values()))
+             + g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
+             + sum(b // block_size for b in growing.values()))
     if budget_bytes < fixed:
         raise ValueError(f"cache: a budget of {budget_bytes} bytes is below the minimum {fixed} bytes "
                          f"(window ring, compressor state and one block per pool for {max_seqs} requests); "

@@ -301,7 +301,6 @@ class LLMEngine:
     def _run(self, batch) -> list[RequestOutput]:
         m = self.model
         dev = m.embed.weight.device
-        states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
         ids = [t for s, n in zip(batch.seqs, batch.num_tokens) for t in s.pending_ids(n)]
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
         hook = None
@@ -312,7 +311,7 @@ class LLMEngine:
                 def hook(layer: int, done=done, cb=self.on_layer_final):
                     cb(layer, done)
         try:
-            hidden = self._forward(batch, tokens, states, hook)
+            hidden = self._forward(batch, ids, tokens, hook)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))
@@ -350,12 +349,14 @@ class LLMEngine:
             outs.append(self._append(s, smp, now))
         return outs
 
-    def _forward(self, batch, tokens: torch.Tensor, states: list, hook) -> torch.Tensor:
-        """Hidden states ``[sum(num_tokens), H]`` of the packed batch: eager, or with a graph runner
-        its single-token rows (decode) through the runner and the rest eager (prefill)."""
+    def _forward(self, batch, ids: list[int], tokens: torch.Tensor, hook) -> torch.Tensor:
+        """Hidden states ``[sum(num_tokens), H]`` of the packed batch (``ids``: its token ids on the
+        host, ``tokens`` on the device): eager, or with a graph runner its single-token rows
+        (decode) through the runner and the rest eager (prefill)."""
         m, r = self.model, self.runner
         one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if r is not None and hook is None else []
         if not one:
+            states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
             return m.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
         offs = [0]
         for n in batch.num_tokens:
@@ -364,12 +365,12 @@ class LLMEngine:
         rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
         if rest:
             idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
-            hidden[idx] = m.forward_batch(tokens[idx], [states[i] for i in rest],
-                                          [batch.num_tokens[i] for i in rest])
+            states = [self.cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in rest]
+            hidden[idx] = m.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
         rows = []
         for i in one:
             s, held = batch.seqs[i], self.cache.seqs[batch.seqs[i].seq_id]
-            rows.append((int(tokens[offs[i]]), s.num_computed, held.state_slot, held.tables))
+            rows.append((ids[offs[i]], s.num_computed, held.state_slot, held.tables))
         hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = r.run(rows)
         return hidden
 

@@ -18,6 +18,7 @@ import importlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -109,6 +110,9 @@ class DecodeRunner:
         """One compiled callable for every bucket (a specialisation per bucket shape)."""
         if self._compiled is None:
             kind, cfg = self.platform.kind, self.cfg
+            # one specialisation per bucket: keep dynamo from falling back to eager past its limit
+            dyn = torch._dynamo.config
+            dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(self.buckets))
             if kind == "cpu":
                 self._compiled = torch.compile(self.static.__call__, fullgraph=True, dynamic=False)
             elif cfg.exe_mode == "npugraph_ex":
@@ -176,8 +180,8 @@ def _npugraph_ex(fn, cfg: ExecConfig):
     options = {"frozen_parameter": True, "static_kernel_compile": cfg.static_kernel,
                "super_kernel_optimize": cfg.superkernel}
     if cfg.cache_compile:
-        return torch.npu.npugraph_ex.inference.cache_compile(fn, cache_dir=cfg.compile_dir or "compile_cache",
-                                                             options=options)
+        cache_dir = str(Path(cfg.compile_dir or ".") / "compile_cache")
+        return torch.npu.npugraph_ex.inference.cache_compile(fn, cache_dir=cache_dir, options=options)
     return torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=cfg.dynamic_graph, options=options)
 
 

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="worker /health /ready /metrics port (0: none)")
     p.add_argument("--state-port", type=int, help="decode: state receiver port")
     p.add_argument("--transport", default=os.environ.get("DSV4_TRANSPORT", "zmq-tcp"), choices=TRANSPORTS)
-    p.add_argument("--device", default=os.environ.get("DSV4_DEVICE", "auto"),
+    p.add_argument("--device", default=None,
                    help="auto | cpu | cuda[:i] | npu[:i] (env DSV4_DEVICE; auto: npu, then cuda, then cpu)")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
@@ -123,11 +123,12 @@ def _load_config(args):
         _die(f"launch-pd: {args.config}: {e}")
 
 
-def _platform(name: str):
-    """``--device`` -> engine.platform.Platform (exits 2 naming --device when unavailable / malformed)."""
+def _platform(name: str | None):
+    """``--device`` (None: $DSV4_DEVICE, else auto) -> engine.platform.Platform; exits 2 naming the
+    flag or variable when the device is unavailable or malformed."""
     from engine.platform import PlatformError, detect
     try:
-        return detect(name, key="--device")
+        return detect(name, key="--device" if name is not None else None)
     except PlatformError as e:
         _die(f"launch-pd: {e}")
 
@@ -247,11 +248,13 @@ def run_local(args) -> int:
     cfg = _load_config(args)
     model = args.model or cfg.model_config.model_path
     from engine.platform import PlatformError, parse_spec
+    env = os.environ.get("DSV4_DEVICE", "").strip()
+    device, key = (args.device, "--device") if args.device is not None else (env or "auto", "DSV4_DEVICE")
     try:
-        parse_spec(args.device, "--device")    # the form only: the children probe the hardware
+        parse_spec(device, key)    # the form only: the children probe the hardware
     except PlatformError as e:
         _die(f"launch-pd: {e}")
-    extra = ["--device", args.device, "--log-level", args.log_level]
+    extra = ["--device", device, "--log-level", args.log_level]
     for name in ("worker_timeout_s", "drain_timeout_s", "request_timeout_s", "max_pending", "max_queued",
                  "transfer_timeout_s", "max_retries"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]

@@ -181,3 +181,39 @@ def test_ascend_generation_checks():
     a2 = RunConfig.from_dict({"model_config": {"platform_version": "A2"}})
     with pytest.raises(ConfigError, match=r"model_config\.platform_version: 'A2', but the device is 'A3'"):
         check_platform_version(a2, "A3")
+
+
+@pytest.mark.parametrize("block_size,max_model_len", [(4, None), (4, 290), (2, 300)])
+def test_static_step_runs_to_the_end_of_max_model_len(model, block_size, max_model_len):
+    """Requests that decode into the last (open) compressor window of max_model_len, where the
+    entry's block lies past the block table (found by review: the gather went out of bounds)."""
+    kw = dict(block_size=block_size, batch_size=3, num_kv_blocks=18 if max_model_len is None else 160)
+    eager = LLMEngine.build(model, max_prefill_tokens=64, max_model_len=max_model_len, num_reserved_decode_tokens=0, **kw)
+    L = eager.limits.max_model_len
+    prompts = [torch.randint(2, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (L - 45, L - 20, L - 9)]
+    params = SamplingParams(max_new_tokens=L, temperature=0.7, seed=5, ignore_eos=True)
+    ref = eager.generate(prompts, params)
+    graph = LLMEngine.build(model, max_prefill_tokens=64, max_model_len=max_model_len, num_reserved_decode_tokens=0, **kw)
+    graph.runner = DecodeRunner(model, graph.cache, L, 3, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+    _uncompiled(graph)
+    got = graph.generate(prompts, params)
+    assert [s.output_ids for s in got] == [s.output_ids for s in ref]
+    assert all(len(s.prompt_ids) + len(s.output_ids) == L for s in got)
+    assert graph.num_free_blocks() == graph.num_total_blocks()
+
+
+def test_static_step_traces_in_one_graph_with_the_ascend_op_table(tiny_ckpt):
+    """With engine.ops.npu's wrappers installed (on CPU every one falls back to the reference, and
+    logs), dynamo still traces the whole step as one graph (fullgraph, as npugraph_ex compiles):
+    no logger call and no host-syncing fallback inside the trace. Found by review."""
+    from engine.ops import REFERENCE
+    from engine.ops import npu
+    m = load_model(tiny_ckpt("flash", 1), ops=REFERENCE.with_overrides(**npu.KERNELS), progress=False)
+    eng = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=512,
+                          num_kv_blocks=48, num_reserved_decode_tokens=0)
+    runner = DecodeRunner(m, eng.cache, 512, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+    torch._dynamo.reset()
+    traced = torch.compile(runner.static.__call__, backend="eager", fullgraph=True)
+    out = traced(*runner._inputs([], 2))
+    assert out.shape == (2, m.args.hidden_size) and torch.isfinite(out).all()

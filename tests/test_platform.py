@@ -139,3 +139,12 @@ def test_launch_pd_local_checks_the_device_form_first():
     r = subprocess.run([sys.executable, "-m", "server.cli", "--role", "local", "--config", "configs/tiny-flash.yaml",
                         "--device", "gpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("launch-pd: --device: 'gpu' is not a device"), r.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "local"])
+def test_launch_pd_device_from_the_environment_names_the_variable(role):
+    import os
+    env = {**os.environ, "DSV4_DEVICE": "tpu"}
+    r = subprocess.run([sys.executable, "-m", "server.cli", "--role", role, "--config", "configs/tiny-flash.yaml"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and r.stderr.startswith("launch-pd: DSV4_DEVICE: 'tpu' is not a device"), r.stderr

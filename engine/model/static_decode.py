@@ -228,8 +228,11 @@ class StaticDecoder:
         first = positions - r                                                     # entry position m * i
         cos, sin = self.rope[id(comp.rope)]
         entry = comp.ops.rope(comp.norm(pooled), cos[first], sin[first]).to(out_dtype)
-        rows = _rows(table, self.bs, (positions // m)[:, None])[:, 0]
-        pool[torch.where(closing[:, 0, 0], rows, torch.full_like(rows, trash))] = entry
+        # an open window's entry index may lie past the table (the last window of max_model_len):
+        # look up entry 0 instead, then send the write to the trash row
+        shut = closing[:, 0, 0]
+        rows = _rows(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
+        pool[torch.where(shut, rows, torch.full_like(rows, trash))] = entry
 
     def _moe(self, moe: MoE, x, tokens):
         """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on."""
@@ -237,10 +240,13 @@ class StaticDecoder:
         e = moe.experts
         with self._side():
             shared = moe.shared_experts(x) if moe.shared_experts is not None else None
-        if moe.ops.moe_experts is reference.moe_experts:
-            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
-        else:      # a platform kernel (grouped matmul with a device-side group list): graph-safe
+        kernel = moe.ops.moe_experts is not reference.moe_experts
+        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.w1.dtype == x.dtype:
+            # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
+            # that contract it would fall back to reference.moe_experts, which syncs the host
             y = moe.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
+        else:
+            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
         self._join(*(() if shared is None else (shared,)))
         return y if shared is None else y + shared
 

@@ -65,7 +65,7 @@ def log_reference_op(op: str, reason: str) -> bool:
 def log_fallback(op: str, reason: str) -> bool:
     """Log once per (op, reason) that a call fell back to the reference op. True if logged."""
     key = (op, reason)
-    if key in _LOGGED:
+    if key in _LOGGED or torch.compiler.is_compiling():     # graph tracers cannot call a logger
         return False
     _LOGGED.add(key)
     log.warning("op %s: input outside the NPU kernel's contract (%s); using the reference op for "
