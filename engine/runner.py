@@ -86,6 +86,7 @@ class DecodeRunner:
         self.device = model.embed.weight.device
         self._fns: dict[int, object] = {}
         self._compiled = None
+        self._pool = None                      # CUDA graphs of every bucket share one memory pool
         self.warmup_s = 0.0
         self.backend = {"cpu": "torch.compile (inductor)", "cuda": "CUDA graphs"}.get(
             platform.kind, f"torch.compile (backend {'npugraph_ex' if cfg.exe_mode == 'npugraph_ex' else 'torchair GE'})")
@@ -131,7 +132,8 @@ class DecodeRunner:
                 self.static(*bufs)
         p.join(s)
         graph = p.new_graph()
-        self._pool = getattr(self, "_pool", None) or p.graph_pool_handle()
+        if self._pool is None:
+            self._pool = p.graph_pool_handle()
         with p.capture(graph, pool=self._pool):
             out = self.static(*bufs)
 

@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny checkpoints written by dsv4-make-tiny (once per session)."""
+"""Shared fixtures: tiny checkpoints written by dsv4-make-tiny (once per session), the flash one
+as a path string, and an in-process reference engine on configs/tiny-flash.yaml (a module may
+define its own ``ckpt`` / ``reference``)."""
 from __future__ import annotations
 
 import pytest
 
+from engine.build import build_engine
+from engine.run_config import RunConfig
 from engine.tiny import make_tiny
 
 
@@ -18,3 +22,15 @@ def tiny_ckpt(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt) -> str:
+    """The tiny flash checkpoint (seed 1) the P/D process tests serve."""
+    return str(tiny_ckpt("flash", 1))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """An in-process engine on configs/tiny-flash.yaml: the tokens the P/D service must match."""
+    return build_engine(RunConfig.from_yaml("configs/tiny-flash.yaml"), ckpt, progress=False)

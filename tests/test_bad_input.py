@@ -13,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
@@ -29,6 +26,7 @@ from engine.tokenizer import Tokenizer
 from server.body_limit import BodyLimit
 from server.gateway import create_app
 from server.local import LocalBackend
+from serve_util import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-dsv4"
@@ -246,20 +244,8 @@ def server(tiny_ckpt):
     """(base_url, engine, statuses seen); the server runs for the whole module."""
     ckpt = tiny_ckpt("flash", 1)
     engine = build_engine(RunConfig.from_yaml(ROOT / "configs" / "tiny-flash.yaml"), ckpt, progress=False)
-    app = create_app(LocalBackend(engine), Tokenizer(ckpt), MODEL, max_body_bytes=LIMIT)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert th.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine, []
-    srv.should_exit = True
-    th.join(15)
-    sock.close()
+    with serve_app(create_app(LocalBackend(engine), Tokenizer(ckpt), MODEL, max_body_bytes=LIMIT)) as url:
+        yield url, engine, []
 
 
 @pytest.fixture(scope="module")

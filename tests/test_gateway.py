@@ -9,15 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine.build import build_engine
 from engine.chat import apply_chat_template, prompt_token_ids
@@ -27,6 +24,7 @@ from engine.tokenizer import EOS_TOKEN, Tokenizer
 from server.backend import BackendError, TokenEvent
 from server.gateway import create_app
 from server.local import LocalBackend
+from serve_util import serve_app
 from server.openai_serving import (ChoiceResult, SampleAssembler, TokenStrings, full_response, piece_chunk,
                                    prepare_chat, prepare_completion)
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -60,21 +58,8 @@ def stack(tiny_ckpt):
                    for i in range(3)],
         "chat_ids": chat_ids, "cmpl_ids": cmpl_ids,
     }
-    app = create_app(LocalBackend(engine), tok, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert th.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield url, engine, tok, ref
-    server.should_exit = True
-    th.join(15)
-    sock.close()
+    with serve_app(create_app(LocalBackend(engine), tok, MODEL)) as url:
+        yield url, engine, tok, ref
 
 
 @pytest.fixture(scope="module")

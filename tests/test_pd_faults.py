@@ -16,25 +16,13 @@ import openai
 import pytest
 from openai import OpenAI
 
-from engine.build import build_engine
-from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
-from pd_util import CONFIG, start_pd, wait_idle
+from pd_util import start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
 from server.launcher import log_tail
 
 WORKER_TIMEOUT_S = 2.0
 WORKERS = ("prefill0", "prefill1", "decode0", "decode1")
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return str(tiny_ckpt("flash", 1))
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return build_engine(RunConfig.from_yaml(CONFIG), ckpt, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -19,23 +19,11 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 
-from engine.build import build_engine
-from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
 from server.launcher import free_port, log_tail
 DRAIN_S = 3.0
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return str(tiny_ckpt("flash", 1))
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return build_engine(RunConfig.from_yaml(CONFIG), ckpt, progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import msgpack
-import pytest
 import zmq
 from openai import OpenAI
 
@@ -96,11 +95,6 @@ def _fuzz_message(rng: random.Random) -> list[bytes]:
                                         {"temperature": rng.choice(junk), "seed": rng.choice(junk)},
                                         {"max_new_tokens": 2, "seed": 1}, "tcp://127.0.0.1:1#x"])
     return [msgpack.packb(msg)]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return str(tiny_ckpt("flash", 1))
 
 
 def test_secured_cluster_refuses_peers_without_the_secret(ckpt, tmp_path):

@@ -12,22 +12,10 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 
-from engine.build import build_engine
-from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
 from server.launcher import LocalPD, log_tail
 
 CONFIG = "configs/tiny-flash.yaml"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tiny_ckpt):
-    return str(tiny_ckpt("flash", 1))
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
-    return build_engine(RunConfig.from_yaml(CONFIG), ckpt, progress=False)
 
 
 @pytest.fixture(scope="module")

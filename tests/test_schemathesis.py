@@ -9,14 +9,11 @@ tiny model makes ~50 tokens/s on CPU). Every 4xx must be OpenAI's error shape.
 """
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 schemathesis = pytest.importorskip("schemathesis")     # the dev extra installs it (Python >= 3.11)
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
@@ -27,6 +24,7 @@ from engine.run_config import RunConfig  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from server.gateway import create_app  # noqa: E402
 from server.local import LocalBackend  # noqa: E402
+from serve_util import serve_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-dsv4"
@@ -40,21 +38,8 @@ def server(tiny_ckpt):
     """(base_url, engine, loaded schema, statuses seen); the server runs for the whole module."""
     ckpt = tiny_ckpt("flash", 1)
     engine = build_engine(RunConfig.from_yaml(ROOT / "configs" / "tiny-flash.yaml"), ckpt, progress=False)
-    app = create_app(LocalBackend(engine), Tokenizer(ckpt), MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert th.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield url, engine, schemathesis.openapi.from_url(url + "/openapi.json"), []
-    srv.should_exit = True
-    th.join(15)
-    sock.close()
+    with serve_app(create_app(LocalBackend(engine), Tokenizer(ckpt), MODEL)) as url:
+        yield url, engine, schemathesis.openapi.from_url(url + "/openapi.json"), []
 
 
 def _cheap(body):
