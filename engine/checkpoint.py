@@ -8,15 +8,18 @@ Storage kinds (§2.1):
   ``bf16`` / ``f32`` / ``i64``  plain tensors
   ``fp8``   ``X.weight`` float8_e4m3fn ``[out, in]`` + ``X.scale`` e8m0 ``[ceil(out/bo), ceil(in/bi)]``
   ``fp4``   ``X.weight`` int8 ``[out, in/2]`` + ``X.scale`` e8m0 ``[out, in/32]``
+Converted checkpoints (§7, ``dsv4-convert-model``) store some linears as ``int8``, ``int4``,
+``mxfp8``, ``mxfp4`` or ``hif8`` (layouts in ``engine.qformats``); ``engine.qscheme`` says which.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from engine.config import CSA_RATIO, ModelArgs
+from engine.qscheme import linear_format
 
 # safetensors dtype strings
-BF16, F32, I64, F8, E8M0, I8 = "BF16", "F32", "I64", "F8_E4M3", "F8_E8M0", "I8"
+BF16, F32, I64, F8, E8M0, I8, U8, U64 = "BF16", "F32", "I64", "F8_E4M3", "F8_E8M0", "I8", "U8", "U64"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,15 @@ def linear_tensors(name: str, lin: LinearSpec, args: ModelArgs) -> dict[str, Ten
         return {f"{name}.weight": TensorSpec(F8, (n, k)), f"{name}.scale": TensorSpec(E8M0, (_cdiv(n, bo), _cdiv(k, bi)))}
     if lin.kind == "fp4":
         return {f"{name}.weight": TensorSpec(I8, (n, k // 2)), f"{name}.scale": TensorSpec(E8M0, (n, k // 32))}
+    if lin.kind in ("int8", "hif8"):
+        return {f"{name}.weight": TensorSpec(I8 if lin.kind == "int8" else U8, (n, k)),
+                f"{name}.scale": TensorSpec(F32, (n, 1))}
+    if lin.kind == "int4":
+        return {f"{name}.weight": TensorSpec(I8, (n // 2, k)), f"{name}.scale": TensorSpec(U64, (n, 1)),
+                f"{name}.bias": TensorSpec(F32, (n,))}
+    if lin.kind in ("mxfp8", "mxfp4"):
+        w = TensorSpec(F8, (n, k)) if lin.kind == "mxfp8" else TensorSpec(U8, (n, k // 2))
+        return {f"{name}.weight": w, f"{name}.scale": TensorSpec(U8, (n, k // 32))}
     raise ValueError(f"unknown linear kind {lin.kind!r}")
 
 
@@ -122,7 +134,7 @@ def block_plain(args: ModelArgs, prefix: str, ratio: int, hash_layer: bool) -> d
 
 
 def model_linears(args: ModelArgs) -> dict[str, LinearSpec]:
-    """Every linear of the checkpoint (backbone, head, MTP)."""
+    """Every linear of the checkpoint (backbone, head, MTP), in the storage its config names."""
     lin: dict[str, LinearSpec] = {}
     for i in range(args.num_hidden_layers):
         lin.update(block_linears(args, f"layers.{i}", args.compress_ratios[i]))
@@ -133,7 +145,8 @@ def model_linears(args: ModelArgs) -> dict[str, LinearSpec]:
         lin[f"{p}.e_proj"] = LinearSpec(args.hidden_size, args.hidden_size, q8)
         lin[f"{p}.h_proj"] = LinearSpec(args.hidden_size, args.hidden_size, q8)
     lin["head"] = LinearSpec(args.vocab_size, args.hidden_size, "bf16")
-    return lin
+    qt = args.quant.quant_type if args.quant else None
+    return {n: LinearSpec(s.out_features, s.in_features, linear_format(qt, n, s.kind)) for n, s in lin.items()}
 
 
 def checkpoint_layout(args: ModelArgs) -> dict[str, TensorSpec]:

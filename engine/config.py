@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.qscheme import parse_compressed_tensors
+
 log = logging.getLogger(__name__)
 
 SWA, CSA, HCA = "swa", "csa", "hca"
@@ -50,6 +52,10 @@ class FP8Quant:
     fmt: str = "e4m3"
     scale_fmt: str = "ue8m0"
     activation_scheme: str = "dynamic"
+    # converted layout (§7; engine.qscheme.QUANT_TYPES) or None for the original tensors
+    quant_type: str | None = None
+    # a compressed-tensors quantization_config (§1.3), kept as read and written back by to_dict
+    compressed: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -164,9 +170,9 @@ class ModelArgs:
         """The config.json form (inverse of from_dict)."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("quant", "extra")}
         d["compress_ratios"] = list(self.compress_ratios)
-        if self.quant is not None:
-            q = self.quant
-            d["quantization_config"] = {
+        q = self.quant
+        if q is not None:
+            d["quantization_config"] = q.compressed if q.compressed is not None else {
                 "quant_method": "fp8", "fmt": q.fmt, "activation_scheme": q.activation_scheme,
                 "scale_fmt": q.scale_fmt, "weight_block_size": list(q.weight_block_size),
             }
@@ -301,8 +307,16 @@ def _parse_quant(qc: Any, top_expert_dtype: Any) -> FP8Quant | None:
         return None
     _expect(isinstance(qc, dict), "quantization_config", "an object", qc)
     method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        try:
+            quant_type, block = parse_compressed_tensors(qc)
+        except ValueError as e:
+            raise ConfigError(f"config.json: {e}") from None
+        expert_dtype = top_expert_dtype or "fp4"
+        _expect(expert_dtype in ("fp4", "fp8"), "expert_dtype", "'fp4' or 'fp8'", expert_dtype)
+        return FP8Quant(weight_block_size=block, expert_dtype=expert_dtype, quant_type=quant_type, compressed=qc)
     _expect(method == "fp8", "quantization_config.quant_method",
-            "'fp8' (original Hybrid FP8-MXFP4 layout; converted layouts are not supported yet)", method)
+            "'fp8' (original Hybrid FP8-MXFP4) or 'compressed-tensors' (dsv4-convert-config / -model)", method)
     fmt = qc.get("fmt", "e4m3")
     _expect(fmt == "e4m3", "quantization_config.fmt", "'e4m3'", fmt)
     scale_fmt = qc.get("scale_fmt", "ue8m0")

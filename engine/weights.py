@@ -5,11 +5,13 @@ A checkpoint directory holds ``config.json`` and safetensors shards, with or wit
 compared with ``engine.checkpoint.checkpoint_layout``; any missing, extra, mis-shaped or
 mis-typed tensor, or a truncated shard, raises ``CheckpointError`` with one line naming the
 tensor (or shard) and expected vs found. Tensors are then read lazily (one at a time, through
-``safetensors.safe_open``), dequantised (FP8 block / MXFP4, reference §2.1) and copied into the
-model's compute dtype.
+``safetensors.safe_open``), dequantised (FP8 block / MXFP4, reference §2.1; the converted
+int8 / int4 / MXFP8 / MXFP4 / HiF8 layouts of §7) and copied into the model's compute dtype. A
+converted linear's activation quantisation (``engine.qscheme.ACT_SCHEME``) is set on its module.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -21,10 +23,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from engine.checkpoint import LinearSpec, TensorSpec, checkpoint_layout, model_linears
+from engine.checkpoint import LinearSpec, TensorSpec, checkpoint_layout, linear_tensors, model_linears
 from engine.config import ModelArgs
 from engine.model.transformer import Transformer
 from engine.ops import REFERENCE, Ops
+from engine.hif8 import hif8_decode
+from engine.qformats import dequant_int, dequant_mx, int4_bias, u64_to_scale, unpack_int4_rows
+from engine.qscheme import ACT_SCHEME
 from engine.quant import QuantFormatError, dequant_fp8_block, dequant_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,7 +48,7 @@ class StoredTensor:
     shape: tuple[int, ...]
 
 
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                 "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
@@ -103,9 +108,9 @@ def _parse_entry(bad: str, name: str, info) -> tuple[int, int]:
     if not ok:
         raise CheckpointError(f"{bad} has a malformed header entry for tensor '{name}' "
                               "(expected dtype, shape and data_offsets [begin, end])")
-    if dtype in _DTYPE_BYTES and end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+    if dtype in DTYPE_BYTES and end - begin != math.prod(shape) * DTYPE_BYTES[dtype]:
         raise CheckpointError(f"{bad}: tensor '{name}' spans {end - begin} bytes, but {dtype} {shape} needs "
-                              f"{math.prod(shape) * _DTYPE_BYTES[dtype]}")
+                              f"{math.prod(shape) * DTYPE_BYTES[dtype]}")
     return begin, end
 
 
@@ -200,16 +205,53 @@ def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:
         return model.get_buffer(name), None
 
 
+def dequant_linear(name: str, kind: str, get, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Dense fp32 ``[out, in]`` of linear ``name`` stored as ``kind`` (``engine.checkpoint`` kinds).
+
+    Args:
+        get: ``tensor name -> torch.Tensor`` (a shard reader).
+    Raises:
+        QuantFormatError: a scale or int4 bias that does not fit its weight.
+    """
+    w = get(f"{name}.weight")
+    if kind == "bf16":
+        return w.float()
+    s = get(f"{name}.scale")
+    if kind == "fp8":
+        return dequant_fp8_block(w, s, block)
+    if kind == "fp4":
+        return dequant_mxfp4(w, s)
+    if kind in ("mxfp8", "mxfp4"):
+        return dequant_mx(w, s)
+    if kind == "int8":
+        return dequant_int(w, s)
+    if kind == "hif8":
+        return hif8_decode(w) * s.float()
+    if kind == "int4":
+        q, scale = unpack_int4_rows(w), u64_to_scale(s)
+        if not torch.allclose(get(f"{name}.bias").float(), int4_bias(q, scale), rtol=1e-4, atol=1e-6):
+            raise QuantFormatError("int4 assistance bias does not equal sum_k 8 * scale * q (stale or foreign bias)")
+        return dequant_int(q, scale)
+    raise QuantFormatError(f"unknown storage kind {kind!r}")
+
+
 def _dequant(name: str, lin: LinearSpec, reader: _Reader, args: ModelArgs) -> torch.Tensor:
-    w = reader.get(f"{name}.weight")
     try:
-        if lin.kind == "fp8":
-            return dequant_fp8_block(w, reader.get(f"{name}.scale"), args.quant.weight_block_size)
-        if lin.kind == "fp4":
-            return dequant_mxfp4(w, reader.get(f"{name}.scale"))
+        return dequant_linear(name, lin.kind, reader.get, args.quant.weight_block_size if args.quant else (128, 128))
     except QuantFormatError as e:
         raise CheckpointError(f"checkpoint: tensor '{name}.weight': {e}") from None
-    return w
+
+
+def _set_act(model: Transformer, name: str, kind: str) -> None:
+    """Record the activation quantisation of a converted linear on its module (Linear or Experts)."""
+    act = ACT_SCHEME[kind]
+    if act is None:
+        return
+    parts = name.split(".")
+    if ".experts." in name and parts[-2].isdigit():
+        model.get_submodule(".".join(parts[:-2])).act = act
+    else:
+        model.get_submodule(name).act = act
 
 
 def _check_values(name: str, t: torch.Tensor, args: ModelArgs) -> None:
@@ -217,6 +259,20 @@ def _check_values(name: str, t: torch.Tensor, args: ModelArgs) -> None:
         raise CheckpointError(f"checkpoint: tensor '{name}' holds NaN or inf values")
     if name.endswith("tid2eid") and (t.min() < 0 or t.max() >= args.n_routed_experts):
         raise CheckpointError(f"checkpoint: tensor '{name}' has expert ids outside [0, {args.n_routed_experts})")
+
+
+def stored_args(args: ModelArgs, found: dict[str, StoredTensor]) -> ModelArgs:
+    """``args`` with the quant type the stored tensors are in.
+
+    A HiF8 compressed-tensors config reads the same whether ``convert-config --hif`` wrote it over
+    the original FP8 tensors or ``convert-model --quant-type w4a8-mx-hif`` wrote it over HiF8 ones
+    (reference §1.3, §7); the dtype of the first ``wq_b`` weight tells which.
+    """
+    q = args.quant
+    probe = found.get("layers.0.attn.wq_b.weight")
+    if q is not None and q.quant_type == "w4a8-mx-hif" and probe is not None and probe.dtype == "F8_E4M3":
+        return dataclasses.replace(args, quant=dataclasses.replace(q, quant_type=None))
+    return args
 
 
 def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -233,12 +289,12 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint: directory {ckpt} does not exist")
-    args = ModelArgs.from_json(ckpt)
     found = scan_checkpoint(ckpt)
+    args = stored_args(ModelArgs.from_json(ckpt), found)
     validate_layout(checkpoint_layout(args), found)
     model = Transformer(args, dtype, ops)
     linears = model_linears(args)
-    covered = {f"{n}.{s}" for n in linears for s in ("weight", "scale")}
+    covered = {t for n, lin in linears.items() for t in linear_tensors(n, lin, args)}
     plain = [n for n in found if n not in covered]
     with ExitStack() as stack, torch.no_grad():
         reader = _Reader(ckpt, found, stack)
@@ -248,6 +304,7 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
             _check_values(f"{name}.weight", w, args)
             target, idx = _target(model, f"{name}.weight")
             (target[idx] if idx is not None else target).copy_(w)
+            _set_act(model, name, lin.kind)
             bar.update()
         for name in plain:
             t = reader.get(name)

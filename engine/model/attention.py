@@ -37,8 +37,8 @@ class Compressor(nn.Module):
         n_new = num_new_entries(start_pos, x.shape[0], self.ratio)
         first = start_pos // self.ratio
         cos, sin = self.rope.cos_sin(torch.arange(first, first + n_new, device=x.device) * self.ratio)
-        return self.ops.compressor(x, self.wkv.weight, self.wgate.weight, self.ape, self.norm.weight,
-                                   self.norm.eps, state, start_pos, cos, sin, out_dtype)
+        return self.ops.compressor(self.wkv.quant_input(x), self.wkv.weight, self.wgate.weight, self.ape,
+                                   self.norm.weight, self.norm.eps, state, start_pos, cos, sin, out_dtype)
 
 
 class Indexer(nn.Module):
@@ -117,5 +117,5 @@ class Attention(nn.Module):
             o[sl] = ops.sparse_attn(q[sl], positions[sl], win_kv, win_pos0, self.window, cmp_kv, self.ratio, topk,
                                     self.attn_sink, self.head_dim ** -0.5)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
-        o = ops.grouped_linear(o.reshape(T, self.n_groups, -1), self.wo_a.weight)  # [T, G, o_lora]
+        o = ops.grouped_linear(self.wo_a.quant_input(o.reshape(T, self.n_groups, -1)), self.wo_a.weight)
         return self.wo_b(o.flatten(1))

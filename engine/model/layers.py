@@ -14,15 +14,25 @@ def _param(shape, dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """``y = x @ weight^T`` through ``ops.linear``; weight ``[out, in]`` in ``dtype``."""
+    """``y = x @ weight^T`` through ``ops.linear``; weight ``[out, in]`` in ``dtype``.
+
+    ``act`` (set by the loader for a converted checkpoint, §7) names the activation quantisation
+    ``ops.act_quant`` applies to x first; None (the default) applies none.
+    """
+
+    act: str | None = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Ops):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype)
         self.ops = ops
 
+    def quant_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as this linear's kernel sees it (quantised per ``act``), same shape and dtype."""
+        return x if self.act is None else self.ops.act_quant(x, self.act)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight)
+        return self.ops.linear(self.quant_input(x), self.weight)
 
 
 class RMSNorm(nn.Module):

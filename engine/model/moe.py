@@ -37,7 +37,12 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: ``w1``/``w3`` ``[E, I, H]`` (gate / up), ``w2`` ``[E, H, I]`` (down)."""
+    """Routed experts stacked: ``w1``/``w3`` ``[E, I, H]`` (gate / up), ``w2`` ``[E, H, I]`` (down).
+
+    ``act``: activation quantisation of a converted checkpoint (``Linear.act``), None by default.
+    """
+
+    act: str | None = None
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
@@ -94,10 +99,10 @@ class MoE(nn.Module):
                 shared = self.shared_experts(x)
         T, c = x.shape[0], self.chunk or x.shape[0]
         if T <= c:
-            y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit)
+            y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit, e.act)
         else:
             y = torch.cat([self.ops.moe_experts(x[i:i + c], ids[i:i + c], weights[i:i + c], e.w1, e.w3, e.w2,
-                                                self.limit) for i in range(0, T, c)])
+                                                self.limit, e.act) for i in range(0, T, c)])
         if self.shared_experts is None:
             return y
         if shared is None:

@@ -37,7 +37,7 @@ def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                         w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+                         w3: torch.Tensor, w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
     """Routed experts without host syncs: each of the k slots gathers its rows' expert weights.
 
     Same math as ``reference.moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per
@@ -45,9 +45,12 @@ def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
     Args:
         x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+        act: activation quantisation (``reference.moe_experts``).
     Returns:
         ``[B, H]`` in x.dtype.
     """
+    if act is not None:
+        x = reference.act_quant(x, act)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xb = x.unsqueeze(-1)                                                        # [B, H, 1]
     for j in range(ids.shape[1]):
@@ -55,6 +58,8 @@ def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         g = torch.bmm(w1[e].to(x.dtype), xb).squeeze(-1)                        # [B, I]
         u = torch.bmm(w3[e].to(x.dtype), xb).squeeze(-1)
         h = reference.swiglu_clamp(g, u, limit)
+        if act is not None:
+            h = reference.act_quant(h, act)
         y = torch.bmm(w2[e].to(x.dtype), h.unsqueeze(-1)).squeeze(-1)           # [B, H]
         out += y.float() * weights[:, j:j + 1].float()
     return out.to(x.dtype)
@@ -190,7 +195,7 @@ class StaticDecoder:
         if ck is not None:
             o = o + torch.einsum("bhn,bnd->bhd", probs[..., W:-1], ck)
         o = ops.rope(o.to(q.dtype), cos, -sin)
-        o = ops.grouped_linear(o.reshape(B, att.n_groups, -1), att.wo_a.weight)
+        o = ops.grouped_linear(att.wo_a.quant_input(o.reshape(B, att.n_groups, -1)), att.wo_a.weight)
         return att.wo_b(o.flatten(1))
 
     def _indexer_topk(self, i: int, att: Attention, iq, iw, positions, table):
@@ -210,7 +215,7 @@ class StaticDecoder:
         overlap = m == CSA_RATIO
         d = width // 2 if overlap else width
         skv, ssc = state
-        xf = x.float()
+        xf = comp.wkv.quant_input(x).float()
         r = positions % m
         skv[slots, r] = comp.ops.linear(xf, comp.wkv.weight)
         ssc[slots, r] = comp.ops.linear(xf, comp.wgate.weight) + comp.ape.float()[r]
@@ -241,12 +246,12 @@ class StaticDecoder:
         with self._side():
             shared = moe.shared_experts(x) if moe.shared_experts is not None else None
         kernel = moe.ops.moe_experts is not reference.moe_experts
-        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.w1.dtype == x.dtype:
+        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.w1.dtype == x.dtype and e.act is None:
             # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
             # that contract it would fall back to reference.moe_experts, which syncs the host
             y = moe.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
         else:
-            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
+            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit, e.act)
         self._join(*(() if shared is None else (shared,)))
         return y if shared is None else y + shared
 

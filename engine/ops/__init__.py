@@ -20,6 +20,7 @@ class Ops:
     rms_norm: Callable
     rope: Callable
     linear: Callable
+    act_quant: Callable
     grouped_linear: Callable
     hc_pre: Callable
     hc_post: Callable

@@ -419,7 +419,7 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, limit: float) -> torch.Tensor:
+                w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
     """Routed experts via ``npu_moe_init_routing_v2``, then ``npu_grouped_matmul`` (W1, W3), the
     clamped SwiGLU, ``npu_grouped_matmul`` (W2) and ``npu_moe_finalize_routing``.
 
@@ -450,7 +450,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     inside finalize, as in the recipe; the reference accumulates in fp32.
 
     Falls back to the reference for: x not bf16/fp16, not on an NPU, no tokens, E < 2 or
-    E > 10240, expert weights not in x's dtype, or H/I >= 65536.
+    E > 10240, expert weights not in x's dtype, H/I >= 65536, or quantised activations (``act``).
     """
     T, H = x.shape
     E, inter = w1.shape[0], w1.shape[1]
@@ -458,9 +458,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                  None if T > 0 and ids.numel() > 0 else "no tokens",
                  None if 2 <= E <= 10240 else f"{E} experts, kernels take 2..10240",
                  None if w1.dtype == w3.dtype == w2.dtype == x.dtype else "expert weights not in x's dtype",
-                 None if H < 65536 and inter < 65536 else "H or I >= 65536")
+                 None if H < 65536 and inter < 65536 else "H or I >= 65536",
+                 None if act is None else f"{act} activations (the quantised GMM is not mapped)")
     if why:
-        return _fallback("moe_experts", why, x, ids, weights, w1, w3, w2, limit)
+        return _fallback("moe_experts", why, x, ids, weights, w1, w3, w2, limit, act)
     npu = _torch_npu()
     k = ids.shape[1]
     expanded_x, row_idx, counts, _ = npu.npu_moe_init_routing_v2(
@@ -509,6 +510,9 @@ NOT_MAPPED: dict[str, str] = {
     "linear": "plain GEMM: the reference's F.linear already runs as the NPU matmul on NPU tensors; the "
               "§8.1 quantised GEMMs (npu_quant_matmul + dynamic quant) need quantised weights and scales "
               "the seam does not carry",
+    "act_quant": "emulates the converted checkpoints' activation quantisation on dequantised weights; on "
+                 "devices it belongs inside npu_quant_matmul / the quantised GMM, which need the packed "
+                 "weights the loader does not keep yet",
     "hc_head": "no fused op for the final mHC collapse in §8.1",
     "compressor": "custom.compressor keeps its fp32 kv/score state in a paged, position-indexed "
                   "state_cache (state_block_table, cache_mode=1) and takes bf16/fp16 x and half-width "

@@ -77,6 +77,40 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
 
 
+def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Dynamic activation quantisation in front of a converted linear, emulated (§7): quantise, dequantise.
+
+    Schemes (row = last dim, so a row's result never depends on other rows in the batch):
+
+    * ``int8-token``: per token, ``s = absmax / 127``, ``round(x / s)`` clamped to +-127
+      (``npu_dynamic_quant``, smooth scales 1);
+    * ``mxfp8``: groups of 32 along the last dim, e8m0 scale, e4m3 elements (``npu_dynamic_mx_quant``;
+      the shared-exponent rule of ``engine.qformats.quant_mx`` is assumed for it too);
+    * ``hif8``: a cast to HiF8 with scale 1, as upstream's W8A8 HiF8 linear does.
+
+    Args:
+        x: ``[..., K]`` float (K % 32 == 0 for mxfp8).
+    Returns:
+        same shape and dtype, each value replaced by its quantised value.
+    Raises:
+        ValueError: an unknown scheme.
+    """
+    from engine.hif8 import hif8_round
+    from engine.qformats import dequant_mx, quant_mx
+    shape, xf = x.shape, x.float().reshape(-1, x.shape[-1])
+    if scheme == "int8-token":
+        s = xf.abs().amax(-1, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        y = torch.round(xf / s).clamp(-127, 127) * s
+    elif scheme == "mxfp8":
+        y = dequant_mx(*quant_mx(xf, 8)) if xf.shape[0] else xf
+    elif scheme == "hif8":
+        y = hif8_round(xf)
+    else:
+        raise ValueError(f"act_quant: unknown scheme {scheme!r} (int8-token, mxfp8, hif8)")
+    return y.reshape(shape).to(x.dtype)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Block-diagonal grouped output projection ``wo_a`` (§3.3 step 8).
 
@@ -370,14 +404,18 @@ def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Te
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, limit: float) -> torch.Tensor:
+                w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
     """Routed experts ``sum_e w_e * (swiglu_clamp(x W1_e^T, x W3_e^T) W2_e^T)``, grouped by expert.
 
     Args:
         x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+        act: activation quantisation of a converted checkpoint (``act_quant``) applied to x and to
+            the SwiGLU output, as the W8A8 / W4A8 / MXFP4 grouped matmuls do (§7); None: none.
     Returns:
         ``[T, H]`` in x.dtype (accumulated in fp32).
     """
+    if act is not None:
+        x = act_quant(x, act)
     T, k = ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -392,6 +430,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
         t_e = tok[start:start + c]
         xe = x[t_e]
         h = swiglu_clamp(_gemm(xe, w1[e].to(x.dtype)), _gemm(xe, w3[e].to(x.dtype)), limit)
+        if act is not None:
+            h = act_quant(h, act)
         y = _gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
         out.index_add_(0, t_e, y)
         start += c
