@@ -104,6 +104,8 @@ def _clip_for(params: dict[str, torch.Tensor] | None, name: str, n: int):
         if t.numel() not in (1, n):
             raise ConvertError(f"--quant-param-path: {name}.clip_factor_{which} has {t.numel()} values, "
                                f"expected 1 or {n}")
+        if not (torch.isfinite(t).all() and (t > 0).all()):
+            raise ConvertError(f"--quant-param-path: {name}.clip_factor_{which} must be finite and > 0")
     return lo.expand(n, 1) if lo.numel() == 1 else lo.reshape(n, 1), hi.expand(n, 1) if hi.numel() == 1 else hi.reshape(n, 1)
 
 
@@ -112,7 +114,10 @@ def _fingerprint(src: Path, shards: list[str], quant_type: str, params: Path | N
     for s in shards:
         st = (src / s).stat()
         h.update(f"{s}:{st.st_size}:{st.st_mtime_ns};".encode())
-    h.update(f"{quant_type}:{params}".encode())
+    h.update(quant_type.encode())
+    if params is not None:
+        for f in sorted(params.glob("quant_params_*.pt")):
+            h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()
 
 
@@ -144,17 +149,23 @@ def convert_model(src: str | Path, out: str | Path, quant_type: str, quant_param
     Raises:
         ConvertError: bad input (nothing written). OSError: the output cannot be written.
     """
-    src, out = Path(src), Path(out)
+    src, out = Path(src), Path(out).resolve()
     args, found, raw = _check_input(src, quant_type)
     params = None
     if quant_param_path is not None:
         if not quant_type.endswith("-int"):
             raise ConvertError(f"--quant-param-path: clip factors apply to the int types only, not {quant_type}")
         params = load_clip_params(Path(quant_param_path), args.num_hidden_layers)
+        names = set(model_linears(args))
+        unknown = sorted(k for k in params if k.rsplit(".", 1)[0] not in names
+                         or not k.endswith((".clip_factor_min", ".clip_factor_max")))
+        if unknown:
+            raise ConvertError(f"--quant-param-path: {len(unknown)} entries name no linear of this model, e.g. "
+                               f"{unknown[0]!r} (expected '<linear>.clip_factor_min' / '.clip_factor_max')")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--output-hf-path {out} exists and is not an empty directory")
     shards = sorted({t.file for t in found.values()})
-    fp = _fingerprint(src, shards, quant_type, Path(quant_param_path).resolve() if quant_param_path else None)
+    fp = _fingerprint(src, shards, quant_type, Path(quant_param_path) if quant_param_path else None)
     part = out.parent / f".{out.name}.partial"
     state = _resume_state(part, fp)
     out_args = ModelArgs.from_dict({**raw, "quantization_config": compressed_tensors_config(
@@ -176,8 +187,8 @@ def convert_model(src: str | Path, out: str | Path, quant_type: str, quant_param
                 _write_json(part / STATE_FILE, state)
             bar.close()
         _finish(src, part, raw, out_args, expected)
-    except (ValueError, OSError):
-        shutil.rmtree(part, ignore_errors=True)
+    except ValueError:
+        shutil.rmtree(part, ignore_errors=True)        # bad input: nothing worth resuming
         raise
     if out.exists():
         out.rmdir()
@@ -229,14 +240,16 @@ class _Shards:
 
 def _resume_state(part: Path, fp: str) -> dict:
     """The partial directory's state if it belongs to this exact conversion, else a fresh one."""
-    if part.is_dir():
+    if part.exists():
+        if not (part / STATE_FILE).is_file():
+            raise ConvertError(f"--output-hf-path: {part} exists but is not a conversion in progress; remove it")
         try:
             state = json.loads((part / STATE_FILE).read_text())
             if state.get("fingerprint") == fp and all((part / s).is_file() for s in state["done"]):
                 return state
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        shutil.rmtree(part)
+        shutil.rmtree(part)                            # another input, type or clip factors: start over
     part.mkdir(parents=True)
     state = {"fingerprint": fp, "done": []}
     _write_json(part / STATE_FILE, state)
@@ -261,8 +274,13 @@ def _convert_shard(shard, found, linears: dict[str, LinearSpec], args: ModelArgs
             continue
         try:
             w = dequant_linear(base, lin.kind, get, block).to(torch.bfloat16)
-            enc = encode(w, fmt, _clip_for(params, base, lin.out_features) if fmt in ("int8", "int4") else None)
-        except QuantFormatError as e:
+            if not torch.isfinite(w).all():
+                raise QuantFormatError("holds NaN or inf values")
+            clip = _clip_for(params, base, lin.out_features) if fmt in ("int8", "int4") else None
+            enc = encode(w, fmt, clip)
+        except (QuantFormatError, ValueError) as e:
+            if isinstance(e, ConvertError):
+                raise
             raise ConvertError(f"--input-fp8-hf-path: tensor '{name}': {e}") from None
         del w
         for suf, t in enc.items():
@@ -294,9 +312,14 @@ def _finish(src: Path, part: Path, raw: dict, out_args: ModelArgs, expected) -> 
             total += math.prod(t.shape) * DTYPE_BYTES[t.dtype]
     _write_json(part / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(part / "config.json", {**raw, "quantization_config": out_args.quant.compressed})
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in _NOT_COPIED:
-            shutil.copy2(f, part / f.name)
+    for f in src.rglob("*"):                          # tokenizer, generation config, encoding/*.py, ...
+        rel = f.relative_to(src)
+        top = len(rel.parts) == 1
+        if not f.is_file() or rel.parts[0].startswith(".") or f.suffix == ".safetensors" or \
+                (top and f.name in _NOT_COPIED) or (not top and f.suffix not in (".py", ".json", ".jinja")):
+            continue
+        (part / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, part / rel)
     try:
         validate_layout(expected, scan_checkpoint(part))
     except CheckpointError as e:
@@ -327,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:
         print(f"dsv4-convert-model: error: --output-hf-path {a.output_hf_path}: cannot write there "
-              f"({e.strerror or e})", file=sys.stderr)
+              f"({e.strerror or e}); finished shards are kept: run the same command again to resume",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("dsv4-convert-model: interrupted; run the same command again to resume", file=sys.stderr)

@@ -70,15 +70,28 @@ def quant_int4(w: torch.Tensor, clip: tuple[torch.Tensor, torch.Tensor] | None =
         (int8 ``[N, K]`` in [-7, 7] (unpacked), fp32 scale ``[N, 1]``).
     """
     w = _clip(w.float(), clip)
+    qs, ss = [], []
+    rows = max(1, (1 << 16) // max(1, w.shape[1]))          # row blocks that stay in cache
+    for blk in w.split(rows):
+        q, s = _int4_search(blk)
+        qs.append(q)
+        ss.append(s)
+    return torch.cat(qs), torch.cat(ss)
+
+
+def _int4_search(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     vmax = w.amax(1, keepdim=True)
     vmax = torch.where(vmax > 0, vmax, w.abs().amax(1, keepdim=True))
     start, end, step = INT4_CLIP
     best_err = torch.full_like(vmax, float("inf"))
     best = vmax.clone()
+    t = torch.empty_like(w)
     for i in range(int(round((end - start) / step)) + 1):
         c = (start + i * step) * vmax
         s = _safe_scale(c / 7)
-        err = (w - (torch.maximum(torch.minimum(w, c), -c) / s).round() * s).pow(2).sum(1, keepdim=True)
+        torch.minimum(w, c, out=t)
+        t.clamp_(min=-c).div_(s).round_().mul_(s).sub_(w)
+        err = t.square_().sum(1, keepdim=True)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, c, best)
@@ -177,7 +190,7 @@ def quant_mx(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _pack_e2m1(a: torch.Tensor) -> torch.Tensor:
     """fp32 values on the e2m1 grid ``[N, K]`` -> uint8 ``[N, K/2]``, even column in the low nibble."""
     code = (a.abs().unsqueeze(-1) == FP4_LUT[:8]).float().argmax(-1)
-    code = code + 8 * torch.signbit(a).long() * (code > 0).long()
+    code = code + 8 * torch.signbit(a).long()             # -0 keeps its sign bit (0x8), as torchao packs it
     return (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
 
 

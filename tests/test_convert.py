@@ -124,9 +124,14 @@ def test_loaded_weights_are_the_stored_values_and_acts_are_set(qt, converted):
     for f in sorted({t.file for t in scan_checkpoint(d).values()}):
         sd.update(load_file(str(d / f)))
     lin = model_linears(m.args)
-    for name in ("layers.2.attn.wq_b", "layers.3.ffn.shared_experts.w2", "layers.2.attn.compressor.wkv"):
-        torch.testing.assert_close(m.get_submodule(name).weight, dequant_linear(name, lin[name].kind, sd.get),
-                                   rtol=0, atol=0)
+    for name in ("layers.2.attn.wq_b", "layers.3.ffn.shared_experts.w2", "mtp.0.e_proj"):   # kept as stored
+        mod = m.get_submodule(name)
+        assert mod.fmt == lin[name].kind and mod.weight.dtype != torch.float32
+        assert torch.equal(mod.weight, sd[f"{name}.weight"]) and torch.equal(mod.weight_scale, sd[f"{name}.scale"])
+    for name in ("layers.2.attn.compressor.wkv", "layers.2.attn.wo_a"):                    # read directly: dense
+        mod = m.get_submodule(name)
+        assert mod.fmt is None
+        assert torch.equal(mod.weight, dequant_linear(name, lin[name].kind, sd.get))
     w = dequant_linear("layers.4.ffn.experts.7.w2", lin["layers.4.ffn.experts.7.w2"].kind, sd.get)
     assert torch.equal(m.layers[4].ffn.experts.w2[7], w)
     act = "int8-token" if qt == "w4a8-int" else "hif8"
@@ -349,3 +354,102 @@ def test_conversion_peak_memory_is_about_two_shards(tmp_path):
           f"largest output shard {shard_out / 2**20:.1f} MiB, output total {total / 2**20:.1f} MiB")
     assert growth <= 2 * (shard_out + shard_in) + (16 << 20)      # + one tensor's working set
     assert growth < total / 2
+
+
+def test_nan_weights_and_bad_clip_factors_are_refused(orig, tmp_path, capsys):
+    out = tmp_path / "out"
+    bad = _link_copy(orig, tmp_path / "nan")
+    shard = scan_checkpoint(orig)["layers.0.attn.wq_b.weight"].file
+    sd = load_file(str(orig / shard))
+    w = sd["layers.0.attn.wq_b.weight"].view(torch.uint8).clone()
+    w[0, 0] = 0x7F                                       # e4m3 NaN
+    sd["layers.0.attn.wq_b.weight"] = w.view(torch.float8_e4m3fn)
+    (bad / shard).unlink()
+    save_file(sd, str(bad / shard))
+    for qt in ("w8a8-int", "w4a8-mx-hif"):
+        rc, err = _run(["--input-fp8-hf-path", str(bad), "--output-hf-path", str(out), "--quant-type", qt], capsys)
+        assert rc == 2 and "tensor 'layers.0.attn.wq_b.weight': holds NaN or inf values" in err, err
+        _assert_nothing_written(out)
+    params = tmp_path / "params"
+    params.mkdir()
+    for factor, msg in ((float("nan"), "must be finite and > 0"), (0.0, "must be finite and > 0")):
+        for i in range(ModelArgs.from_json(orig).num_hidden_layers):
+            torch.save({"layers.0.attn.wq_b.clip_factor_max": torch.tensor(factor)} if i == 0 else {},
+                       params / f"quant_params_{i}.pt")
+        rc, err = _run(["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int",
+                        "--quant-param-path", str(params)], capsys)
+        assert rc == 2 and msg in err
+        _assert_nothing_written(out)
+    torch.save({"layers.99.attn.wq_b.clip_factor_max": torch.tensor(0.5)}, params / "quant_params_0.pt")
+    rc, err = _run(["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int",
+                    "--quant-param-path", str(params)], capsys)
+    assert rc == 2 and "1 entries name no linear of this model, e.g. 'layers.99.attn.wq_b.clip_factor_max'" in err
+    _assert_nothing_written(out)
+
+
+def test_write_error_keeps_finished_shards_for_resume(orig, tmp_path, monkeypatch, capsys):
+    real, calls = cm.save_file, []
+
+    def full_disk(tensors, path, metadata=None):
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        calls.append(path)
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(cm, "save_file", full_disk)
+    out = tmp_path / "out"
+    argv = ["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int"]
+    rc, err = _run(argv, capsys)
+    assert rc == 2 and "No space left on device" in err and "run the same command again to resume" in err
+    part = tmp_path / ".out.partial"
+    assert len(json.loads((part / cm.STATE_FILE).read_text())["done"]) == 2 and not out.exists()
+    monkeypatch.setattr(cm, "save_file", real)
+    n = len(calls)
+    monkeypatch.setattr(cm, "save_file", lambda t, p, metadata=None: (calls.append(p), real(t, p, metadata=metadata)))
+    assert _run(argv, capsys)[0] == 0
+    assert len(calls) - n == 2 and not part.exists() and ModelArgs.from_json(out).quant.quant_type == "w8a8-int"
+
+
+def test_resume_restarts_when_the_clip_factors_change(orig, tmp_path, monkeypatch):
+    params = tmp_path / "params"
+    params.mkdir()
+    n_layers = ModelArgs.from_json(orig).num_hidden_layers
+    for i in range(n_layers):
+        torch.save({"layers.0.attn.wq_b.clip_factor_max": torch.tensor(0.3)} if i == 0 else {},
+                   params / f"quant_params_{i}.pt")
+    real, calls = cm._write_shard, []
+
+    def stop_after_one(part, shard, tensors, expected):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(shard)
+        real(part, shard, tensors, expected)
+
+    monkeypatch.setattr(cm, "_write_shard", stop_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        cm.convert_model(orig, tmp_path / "out", "w8a8-int", params, progress=False)
+    torch.save({}, params / "quant_params_0.pt")           # other factors: nothing may be reused
+    calls.clear()
+    monkeypatch.setattr(cm, "_write_shard", lambda *a: (calls.append(a[1]), real(*a)))
+    out = cm.convert_model(orig, tmp_path / "out", "w8a8-int", params, progress=False)
+    assert len(calls) == 4
+    fresh = cm.convert_model(orig, tmp_path / "fresh", "w8a8-int", progress=False)
+    for f in sorted(p.name for p in fresh.glob("*.safetensors")):
+        assert (out / f).read_bytes() == (fresh / f).read_bytes()
+
+
+def test_output_paths_and_side_files(orig, tmp_path, monkeypatch):
+    src = _link_copy(orig, tmp_path / "src")
+    (src / "encoding").mkdir()
+    (src / "encoding" / "encoding_dsv4.py").write_text("# chat encoding\n")
+    (src / "encoding" / "notes.bin").write_bytes(b"x")
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    out = cm.convert_model(src, ".", "w4a8-mx", progress=False)
+    assert out == here and (here / "config.json").is_file() and not list(tmp_path.glob(".*partial"))
+    assert (here / "encoding" / "encoding_dsv4.py").read_text() == "# chat encoding\n"
+    assert not (here / "encoding" / "notes.bin").exists() and (here / "tokenizer.json").is_file()
+    (tmp_path / ".o.partial").mkdir()
+    with pytest.raises(cm.ConvertError, match="exists but is not a conversion in progress"):
+        cm.convert_model(src, tmp_path / "o", "w4a8-mx", progress=False)

@@ -169,6 +169,8 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
         "gating_topk": (logits, rnd(16, dtype=f32), None, 3, 1.5),
         "swiglu_clamp": (rnd(T, 8) * 4, rnd(T, 8) * 4, 2.0),
         "moe_experts": (rnd(T, 16), gid, gw, rnd(4, 8, 16), rnd(4, 8, 16), rnd(4, 16, 8), 10.0),
+        "quant_linear": (rnd(T, 32), torch.randint(-127, 128, (8, 32), generator=g, dtype=torch.int8),
+                         rnd(8, 1, dtype=f32).abs() * 0.01, "int8", "int8-token"),
     }
 
 

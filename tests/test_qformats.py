@@ -163,3 +163,24 @@ def test_act_quant_int8_token_values():
     assert y[1].eq(0).all()
     with pytest.raises(ValueError, match="unknown scheme"):
         reference.act_quant(x, "int4")
+
+
+def test_mxfp4_negative_zero_keeps_its_sign_bit_as_upstream():
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1] = 6.0, -0.1                       # -0.1 rounds to -0 on the e2m1 grid
+    q, s = quant_mx(w, 4)
+    assert q[0, 0].item() == 0x87                        # low nibble 7 (6.0), high nibble 8 (-0)
+    assert dequant_mx(q, s)[0, 1].item() == 0.0
+
+
+def test_loader_accepts_an_upstream_bf16_int4_bias_and_refuses_a_foreign_one():
+    from engine.weights import dequant_linear
+    w = torch.randn(16, 64, generator=G) * 0.05
+    q, s = quant_int4(w)
+    sb = s.to(torch.bfloat16)                            # upstream: bf16 scale and bf16 arithmetic
+    bias = (sb.repeat_interleave(64, 1) * q.to(torch.bfloat16) * 8).sum(1).float()
+    st = {"x.weight": pack_int4_rows(q), "x.scale": scale_to_u64(s), "x.bias": bias}
+    torch.testing.assert_close(dequant_linear("x", "int4", st.get), dequant_int(q, s))
+    st["x.bias"] = bias.flip(0)
+    with pytest.raises(QuantFormatError, match="assistance bias"):
+        dequant_linear("x", "int4", st.get)

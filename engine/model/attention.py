@@ -29,6 +29,7 @@ class Compressor(nn.Module):
         self.ratio, self.dim, self.rope, self.ops = ratio, dim, rope, ops
         self.wkv = Linear(args.hidden_size, width, torch.float32, ops)
         self.wgate = Linear(args.hidden_size, width, torch.float32, ops)
+        self.wkv.packable = self.wgate.packable = False            # ops.compressor takes their weights
         self.ape = _param((ratio, width), torch.float32)
         self.norm = RMSNorm(dim, args.rms_norm_eps, ops)
 
@@ -81,6 +82,7 @@ class Attention(nn.Module):
         self.wkv = Linear(H, d, dtype, ops)
         self.kv_norm = RMSNorm(d, args.rms_norm_eps, ops)
         self.wo_a = Linear(nh * d // args.o_groups, args.o_groups * args.o_lora_rank, dtype, ops)
+        self.wo_a.packable = False                                  # ops.grouped_linear takes its weight
         self.wo_b = Linear(args.o_groups * args.o_lora_rank, H, dtype, ops)
         self.attn_sink = _param((nh,), torch.float32)
         self.compressor = Compressor(args, ratio, d, rope, ops) if ratio else None

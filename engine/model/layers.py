@@ -16,11 +16,16 @@ def _param(shape, dtype) -> nn.Parameter:
 class Linear(nn.Module):
     """``y = x @ weight^T`` through ``ops.linear``; weight ``[out, in]`` in ``dtype``.
 
-    ``act`` (set by the loader for a converted checkpoint, §7) names the activation quantisation
-    ``ops.act_quant`` applies to x first; None (the default) applies none.
+    For a converted checkpoint (§7) the loader sets ``act``, the activation quantisation
+    ``ops.act_quant`` applies to x first, and, on a ``packable`` linear stored as int8 / MXFP8 /
+    HiF8, replaces ``weight`` by the stored tensor plus ``weight_scale`` and sets ``fmt``: forward
+    then runs ``ops.quant_linear`` (a fused quantised GEMM on devices). Linears whose weight other
+    code reads directly (``wo_a``, compressors) are not packable and keep a dense weight.
     """
 
     act: str | None = None
+    fmt: str | None = None
+    packable: bool = True
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Ops):
         super().__init__()
@@ -31,7 +36,17 @@ class Linear(nn.Module):
         """x as this linear's kernel sees it (quantised per ``act``), same shape and dtype."""
         return x if self.act is None else self.ops.act_quant(x, self.act)
 
+    def store_quantised(self, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str) -> None:
+        """Keep the stored ``weight`` / ``scale`` of format ``fmt`` instead of a dense weight."""
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ValueError(f"store_quantised: weight {tuple(weight.shape)} != {tuple(self.weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.fmt, self.act = fmt, act
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt is not None:
+            return self.ops.quant_linear(x, self.weight, self.weight_scale, self.fmt, self.act)
         return self.ops.linear(self.quant_input(x), self.weight)
 
 

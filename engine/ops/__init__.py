@@ -21,6 +21,7 @@ class Ops:
     rope: Callable
     linear: Callable
     act_quant: Callable
+    quant_linear: Callable
     grouped_linear: Callable
     hc_pre: Callable
     hc_post: Callable

@@ -479,6 +479,34 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                                         drop_pad_mode=2)
 
 
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str | None
+                 ) -> torch.Tensor:
+    """W8A8 int8 linear: ``npu_dynamic_quant`` (per-token int8, smooth scales 1) then
+    ``npu_quant_matmul`` with the per-channel weight scale and the per-token scale.
+
+    Schemas [OPP op_plugin_functions.yaml]: ``npu_dynamic_quant(Tensor input, *, Tensor?
+    smooth_scales=None, ...) -> (Tensor, Tensor)``; ``npu_quant_matmul(Tensor x1, Tensor x2, Tensor
+    scale, *, Tensor? offset=None, Tensor? pertoken_scale=None, Tensor? bias=None, int?
+    output_dtype=None, ...)``. Contract [OPP torch_npu-npu_quant_matmul.md, table 2, A2/A3]: int8
+    x1 ``[m, k]`` and x2 ``[k, n]``, scale ``[n]`` float32 / bfloat16, pertoken_scale ``[m]`` float32,
+    output bfloat16 (float16 with a float32 scale). x2 is the stored ``[n, k]`` weight's transposed
+    view, as upstream's W8A8 linear passes it (recipe ``compressed_tensors_w8a8_int8.py``).
+
+    Falls back to the reference for: MXFP8 / HiF8 weights (the 950 kernels take MX scales / HiF8
+    dtypes this wrapper does not set up), x not bf16/fp16, not on an NPU, or no rows.
+    """
+    lead = x.shape[:-1]
+    why = _first(None if fmt == "int8" and act == "int8-token" else f"{fmt} weights with {act} activations",
+                 _dtype_why("x", x, _HALF), _device_why(x), None if x.numel() else "no rows")
+    if why:
+        return _fallback("quant_linear", why, x, weight, scale, fmt, act)
+    npu = _torch_npu()
+    xq, xs = npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
+    s = scale.reshape(-1).to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    y = npu.npu_quant_matmul(xq, weight.t(), s, pertoken_scale=xs.reshape(-1).float(), output_dtype=x.dtype)
+    return y.view(*lead, weight.shape[0])
+
+
 # ---- the table ---------------------------------------------------------------------------------
 KERNELS: dict[str, Callable] = {
     "rms_norm": rms_norm,
@@ -490,6 +518,7 @@ KERNELS: dict[str, Callable] = {
     "gating_topk": gating_topk,
     "swiglu_clamp": swiglu_clamp,
     "moe_experts": moe_experts,
+    "quant_linear": quant_linear,
 }
 
 # The runtime kernels each wrapper needs: "torch_npu.<name>" or "custom.<name>" (torch.ops.custom).
@@ -504,15 +533,15 @@ KERNEL_APIS: dict[str, tuple[str, ...]] = {
     "swiglu_clamp": ("torch_npu.npu_clipped_swiglu",),
     "moe_experts": ("torch_npu.npu_moe_init_routing_v2", "torch_npu.npu_grouped_matmul",
                     "torch_npu.npu_moe_finalize_routing"),
+    "quant_linear": ("torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"),
 }
 
 NOT_MAPPED: dict[str, str] = {
-    "linear": "plain GEMM: the reference's F.linear already runs as the NPU matmul on NPU tensors; the "
-              "§8.1 quantised GEMMs (npu_quant_matmul + dynamic quant) need quantised weights and scales "
-              "the seam does not carry",
-    "act_quant": "emulates the converted checkpoints' activation quantisation on dequantised weights; on "
-                 "devices it belongs inside npu_quant_matmul / the quantised GMM, which need the packed "
-                 "weights the loader does not keep yet",
+    "linear": "plain GEMM: the reference's F.linear already runs as the NPU matmul on NPU tensors; "
+              "quantised GEMMs go through quant_linear",
+    "act_quant": "emulates activation quantisation in front of the linears a converted checkpoint keeps "
+                 "dense (routed experts, wo_a, compressors); on devices it belongs inside the quantised "
+                 "GMM / batched matmul, which need packed weights those paths do not carry yet",
     "hc_head": "no fused op for the final mHC collapse in §8.1",
     "compressor": "custom.compressor keeps its fp32 kv/score state in a paged, position-indexed "
                   "state_cache (state_block_table, cache_mode=1) and takes bf16/fp16 x and half-width "

@@ -77,6 +77,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
 
 
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str | None
+                 ) -> torch.Tensor:
+    """A converted checkpoint's linear on its stored weight (§7): ``act_quant(x) @ dequant(weight)^T``.
+
+    Args:
+        x: ``[..., K]`` float.
+        weight, scale: as stored (``engine.qformats``): ``int8`` int8 ``[N, K]`` + fp32 ``[N, 1]``;
+            ``mxfp8`` float8_e4m3fn ``[N, K]`` + uint8 e8m0 ``[N, K/32]``; ``hif8`` uint8 ``[N, K]`` + fp32 ``[N, 1]``.
+        fmt: "int8", "mxfp8" or "hif8". act: the activation scheme (``act_quant``) or None.
+    Returns:
+        ``[..., N]`` in x.dtype; the weight is dequantised to x.dtype first, exactly as the loader
+        does for dense weights, so this equals ``linear`` on the loaded dense weight.
+    Raises:
+        ValueError: an unknown fmt.
+    """
+    from engine.hif8 import hif8_decode
+    from engine.qformats import dequant_int, dequant_mx
+    if fmt == "int8":
+        w = dequant_int(weight, scale)
+    elif fmt == "mxfp8":
+        w = dequant_mx(weight, scale)
+    elif fmt == "hif8":
+        w = hif8_decode(weight) * scale.float()
+    else:
+        raise ValueError(f"quant_linear: unknown weight format {fmt!r} (int8, mxfp8, hif8)")
+    return linear(x if act is None else act_quant(x, act), w.to(x.dtype))
+
+
 def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """Dynamic activation quantisation in front of a converted linear, emulated (§7): quantise, dequantise.
 
