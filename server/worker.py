@@ -257,9 +257,11 @@ class Worker:
 
         @app.get("/health")
         def health():
-            r = self.engine.runner
+            r, q = self.engine.runner, self.engine.model.args.quant
             return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
                     "device": str(self.engine.model.embed.weight.device),
+                    # the checkpoint's weights: "fp8-mxfp4" (original), a dsv4-convert-model type, or "bf16"
+                    "quantization": "bf16" if q is None else (q.quant_type or "fp8-mxfp4"),
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
                                                      "warmup_s": round(r.warmup_s, 3)}}
