@@ -167,6 +167,20 @@ def quant_mx(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         QuantFormatError: K not a multiple of 32.
     """
+    a, e = _mx_round(w, bits)
+    scale = (e + 127).to(torch.uint8)
+    return (a.to(torch.float8_e4m3fn), scale) if bits == 8 else (_pack_e2m1(a), scale)
+
+
+def mx_fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``dequant_mx(*quant_mx(x, bits))`` without the storage dtypes (graph-compile friendly): fp32 ``[N, K]``."""
+    a, e = _mx_round(x, bits)
+    n, k = a.shape
+    return (a.view(n, k // MX_GROUP, MX_GROUP) * torch.exp2(e).unsqueeze(-1)).view(n, k)
+
+
+def _mx_round(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements on the e4m3 / e2m1 grid fp32 ``[N, K]``, group exponents fp32 ``[N, K/32]``)."""
     n, k = w.shape
     if k % MX_GROUP:
         raise QuantFormatError(f"MX formats need in_features % {MX_GROUP} == 0, found {k}")
@@ -181,10 +195,7 @@ def quant_mx(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     pe = torch.floor(torch.log2(a.abs() + (a == 0).float())).clamp(min=min_exp)
     step = torch.exp2(pe - (mbits - 2))
     a = (_round_half_away(a / step) * step).clamp(-max_norm, max_norm).reshape(n, k)
-    scale = (e.squeeze(-1) + 127).to(torch.uint8)
-    if bits == 8:
-        return a.to(torch.float8_e4m3fn), scale
-    return _pack_e2m1(a), scale
+    return a, e.squeeze(-1)
 
 
 def _pack_e2m1(a: torch.Tensor) -> torch.Tensor:

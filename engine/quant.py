@@ -31,8 +31,9 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     Returns:
         fp32 tensor of the same shape.
     """
-    if scale.dtype == torch.uint8:
-        scale = scale.view(torch.float8_e8m0fnu)
+    if scale.dtype == torch.uint8:              # arithmetic, not a float8 view: graph compilers take it
+        f = torch.exp2(scale.float() - 127)
+        return torch.where(scale == 255, torch.full_like(f, float("nan")), f)
     if scale.dtype != torch.float8_e8m0fnu:
         raise QuantFormatError(f"e8m0 scale: expected float8_e8m0fnu or uint8, found {scale.dtype}")
     return scale.to(torch.float32)

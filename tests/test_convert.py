@@ -454,3 +454,26 @@ def test_output_paths_and_side_files(orig, tmp_path, monkeypatch):
     (tmp_path / ".o.partial").mkdir()
     with pytest.raises(cm.ConvertError, match="exists but is not a conversion in progress"):
         cm.convert_model(src, tmp_path / "o", "w4a8-mx", progress=False)
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_on_a_converted_checkpoint(converted):
+    """graph mode (torch.compile on CPU) traces the quantised linears and activation quantisation
+    (HiF8 tables, MX exponents, no float8 storage dtypes inside the graph) and keeps eager's tokens."""
+    m = load_model(converted["w4a8-mx-hif"], progress=False)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(m.args.vocab_size) for _ in range(n)] for n in (5, 130)]
+    params = [SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=2)] * 2
+
+    def engine(runner: bool):
+        e = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=128, max_model_len=256,
+                            num_kv_blocks=32, num_reserved_decode_tokens=0)
+        if runner:
+            e.runner = DecodeRunner(m, e.cache, 256, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+        return e
+
+    eager = engine(False).generate(prompts, params)
+    graph = engine(True).generate(prompts, params)
+    assert [s.output_ids for s in eager] == [s.output_ids for s in graph]
+    worst = max(abs(p.logprob - q.logprob) for a, b in zip(eager, graph) for p, q in zip(a.logprobs, b.logprobs))
+    assert worst <= 1e-4
