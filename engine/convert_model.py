@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import hashlib
 import json
 import math
@@ -92,21 +93,33 @@ def load_clip_params(path: Path, num_layers: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_clip_params(params: dict[str, torch.Tensor], linears: dict[str, LinearSpec]) -> None:
+    """Every entry names a linear of this model and holds 1 or ``out_features`` finite values > 0.
+
+    Raises:
+        ConvertError: the first bad entry (before anything is written).
+    """
+    unknown = sorted(k for k in params if k.rsplit(".", 1)[0] not in linears
+                     or not k.endswith((".clip_factor_min", ".clip_factor_max")))
+    if unknown:
+        raise ConvertError(f"--quant-param-path: {len(unknown)} entries name no linear of this model, e.g. "
+                           f"{unknown[0]!r} (expected '<linear>.clip_factor_min' / '.clip_factor_max')")
+    for key, t in params.items():
+        n = linears[key.rsplit(".", 1)[0]].out_features
+        if t.numel() not in (1, n):
+            raise ConvertError(f"--quant-param-path: {key} has {t.numel()} values, expected 1 or {n}")
+        if not (torch.isfinite(t).all() and (t > 0).all()):
+            raise ConvertError(f"--quant-param-path: {key} must be finite and > 0")
+
+
 def _clip_for(params: dict[str, torch.Tensor] | None, name: str, n: int):
+    """(min factors, max factors) ``[n, 1]`` fp32 for linear ``name``, or None."""
     if not params:
         return None
     lo, hi = params.get(f"{name}.clip_factor_min"), params.get(f"{name}.clip_factor_max")
     if lo is None and hi is None:
         return None
-    lo = torch.ones(n, 1) if lo is None else lo.float()
-    hi = torch.ones(n, 1) if hi is None else hi.float()
-    for t, which in ((lo, "min"), (hi, "max")):
-        if t.numel() not in (1, n):
-            raise ConvertError(f"--quant-param-path: {name}.clip_factor_{which} has {t.numel()} values, "
-                               f"expected 1 or {n}")
-        if not (torch.isfinite(t).all() and (t > 0).all()):
-            raise ConvertError(f"--quant-param-path: {name}.clip_factor_{which} must be finite and > 0")
-    return lo.expand(n, 1) if lo.numel() == 1 else lo.reshape(n, 1), hi.expand(n, 1) if hi.numel() == 1 else hi.reshape(n, 1)
+    return tuple(torch.ones(n, 1) if t is None else t.float().reshape(-1, 1).expand(n, 1) for t in (lo, hi))
 
 
 def _fingerprint(src: Path, shards: list[str], quant_type: str, params: Path | None) -> str:
@@ -156,12 +169,7 @@ def convert_model(src: str | Path, out: str | Path, quant_type: str, quant_param
         if not quant_type.endswith("-int"):
             raise ConvertError(f"--quant-param-path: clip factors apply to the int types only, not {quant_type}")
         params = load_clip_params(Path(quant_param_path), args.num_hidden_layers)
-        names = set(model_linears(args))
-        unknown = sorted(k for k in params if k.rsplit(".", 1)[0] not in names
-                         or not k.endswith((".clip_factor_min", ".clip_factor_max")))
-        if unknown:
-            raise ConvertError(f"--quant-param-path: {len(unknown)} entries name no linear of this model, e.g. "
-                               f"{unknown[0]!r} (expected '<linear>.clip_factor_min' / '.clip_factor_max')")
+        check_clip_params(params, model_linears(args))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"--output-hf-path {out} exists and is not an empty directory")
     shards = sorted({t.file for t in found.values()})
@@ -186,14 +194,29 @@ def convert_model(src: str | Path, out: str | Path, quant_type: str, quant_param
                 state["done"].append(shard)
                 _write_json(part / STATE_FILE, state)
             bar.close()
-        _finish(src, part, raw, out_args, expected)
+        if not state.get("finished"):
+            _finish(src, part, raw, out_args, expected)
+            state["finished"] = True
+            _write_json(part / STATE_FILE, state)
     except ValueError:
         shutil.rmtree(part, ignore_errors=True)        # bad input: nothing worth resuming
         raise
-    if out.exists():
-        out.rmdir()
-    os.replace(part, out)
+    _publish(part, out)
+    (out / STATE_FILE).unlink()
     return out
+
+
+def _publish(part: Path, out: Path) -> None:
+    """Rename the finished ``part`` to ``out`` (absent or an empty directory): one atomic rename,
+    or, across filesystems (``out`` a mount point), its entries moved in one by one."""
+    try:
+        os.replace(part, out)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EBUSY) or not out.is_dir():
+            raise
+        for f in sorted(part.iterdir(), key=lambda f: f.name == STATE_FILE):   # the state file last
+            shutil.move(str(f), str(out / f.name))
+        part.rmdir()
 
 
 def _libc(name: str, *args) -> None:
@@ -315,16 +338,18 @@ def _finish(src: Path, part: Path, raw: dict, out_args: ModelArgs, expected) -> 
     for f in src.rglob("*"):                          # tokenizer, generation config, encoding/*.py, ...
         rel = f.relative_to(src)
         top = len(rel.parts) == 1
-        if not f.is_file() or rel.parts[0].startswith(".") or f.suffix == ".safetensors" or \
-                (top and f.name in _NOT_COPIED) or (not top and f.suffix not in (".py", ".json", ".jinja")):
+        if not f.is_file() or any(p.startswith(".") for p in rel.parts) or f.suffix == ".safetensors" or \
+                f.name in _NOT_COPIED or (not top and f.suffix not in (".py", ".json", ".jinja")):
             continue
         (part / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, part / rel)
+        try:
+            shutil.copy2(f, part / rel)
+        except PermissionError:
+            raise ConvertError(f"--input-fp8-hf-path: {rel} cannot be read") from None
     try:
         validate_layout(expected, scan_checkpoint(part))
     except CheckpointError as e:
         raise ConvertError(f"output verification failed: {e}") from None
-    (part / STATE_FILE).unlink()
 
 
 def _write_json(path: Path, obj) -> None:

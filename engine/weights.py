@@ -244,12 +244,21 @@ def _dequant(name: str, lin: LinearSpec, reader: _Reader, args: ModelArgs) -> to
         raise CheckpointError(f"checkpoint: tensor '{name}.weight': {e}") from None
 
 
-PACKED_KINDS = ("int8", "mxfp8", "hif8")     # kept as stored on packable Linears (ops.quant_linear)
+PACKED_KINDS = ("int8", "mxfp8", "hif8")     # can stay as stored on packable Linears (ops.quant_linear)
 
 
-def _stored_module(model: Transformer, name: str, kind: str):
+def packed_kinds(ops: Ops, packed: bool | None) -> tuple[str, ...]:
+    """Formats kept as stored: all of ``PACKED_KINDS`` (True), none (False), or by default those the
+    ops table has a fused kernel for (int8 when ``ops.quant_linear`` is a platform kernel): the
+    reference would dequantise the whole weight on every call, slower than a dense weight."""
+    if packed is not None:
+        return PACKED_KINDS if packed else ()
+    return ("int8",) if ops.quant_linear is not REFERENCE.quant_linear else ()
+
+
+def _stored_module(model: Transformer, name: str, kind: str, kinds: tuple[str, ...]):
     """The Linear that keeps linear ``name`` as stored, or None (dense weight)."""
-    if kind not in PACKED_KINDS or ".experts." in name:
+    if kind not in kinds or ".experts." in name:
         return None
     mod = model.get_submodule(name)
     return mod if getattr(mod, "packable", False) else None
@@ -289,13 +298,15 @@ def stored_args(args: ModelArgs, found: dict[str, StoredTensor]) -> ModelArgs:
 
 
 def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               ops: Ops = REFERENCE, progress: bool = True) -> Transformer:
+               ops: Ops = REFERENCE, progress: bool = True, packed: bool | None = None) -> Transformer:
     """Read config.json, validate the shards, and return a filled ``Transformer``.
 
     Args:
-        ckpt_dir: checkpoint directory in the original DeepSeek-V4 layout.
+        ckpt_dir: checkpoint directory in the original DeepSeek-V4 layout or a converted one (§7).
         dtype: compute dtype, ``torch.float32`` or ``torch.bfloat16``.
         progress: show a tqdm bar (stderr) while loading.
+        packed: keep converted int8 / MXFP8 / HiF8 linears as stored (``packed_kinds``); the
+            numerics are the same either way.
     Raises:
         ConfigError: bad config.json. CheckpointError: layout or value problems (one line each).
     """
@@ -308,6 +319,7 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     model = Transformer(args, dtype, ops)
     linears = model_linears(args)
     covered = {t for n, lin in linears.items() for t in linear_tensors(n, lin, args)}
+    kinds = packed_kinds(ops, packed)
     plain = [n for n in found if n not in covered]
     with ExitStack() as stack, torch.no_grad():
         reader = _Reader(ckpt, found, stack)
@@ -315,7 +327,7 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
         for name, lin in linears.items():
             w = _dequant(name, lin, reader, args)
             _check_values(f"{name}.weight", w, args)
-            stored = _stored_module(model, name, lin.kind)
+            stored = _stored_module(model, name, lin.kind, kinds)
             if stored is not None:
                 stored.store_quantised(reader.get(f"{name}.weight"), reader.get(f"{name}.scale"), lin.kind,
                                        ACT_SCHEME[lin.kind])

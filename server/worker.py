@@ -57,6 +57,13 @@ class WorkerOptions:
     cluster_secret: str | None = None  # CURVE on every ZMQ socket, and HTTP needs "Bearer <secret>"
 
 
+def quantization_label(q) -> str:
+    """The checkpoint's weights: "bf16", the original "fp8-mxfp4" / "fp8", or a dsv4-convert-model type."""
+    if q is None:
+        return "bf16"
+    return q.quant_type or ("fp8-mxfp4" if q.expert_dtype == "fp4" else "fp8")
+
+
 def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
     """The model fingerprint and state layout both sides of a transfer must agree on."""
     a = engine.model.args
@@ -260,8 +267,7 @@ class Worker:
             r, q = self.engine.runner, self.engine.model.args.quant
             return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
                     "device": str(self.engine.model.embed.weight.device),
-                    # the checkpoint's weights: "fp8-mxfp4" (original), a dsv4-convert-model type, or "bf16"
-                    "quantization": "bf16" if q is None else (q.quant_type or "fp8-mxfp4"),
+                    "quantization": quantization_label(q),
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
                                                      "warmup_s": round(r.warmup_s, 3)}}

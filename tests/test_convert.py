@@ -118,8 +118,8 @@ def test_stored_layouts(converted):
 
 
 @pytest.mark.parametrize("qt", ["w4a8-int", "w4a8-mx-hif"])
-def test_loaded_weights_are_the_stored_values_and_acts_are_set(qt, converted):
-    m = load_model(converted[qt], progress=False)
+def test_loaded_weights_are_the_stored_values_and_acts_are_set(qt, converted, ref_logits):
+    m = load_model(converted[qt], progress=False, packed=True)
     d = converted[qt]
     sd = {}
     for f in sorted({t.file for t in scan_checkpoint(d).values()}):
@@ -139,6 +139,11 @@ def test_loaded_weights_are_the_stored_values_and_acts_are_set(qt, converted):
     assert m.layers[2].attn.wq_b.act == act and m.layers[2].attn.wq_a.act == (None if qt == "w4a8-int" else "hif8")
     assert m.layers[4].ffn.experts.act == ("int8-token" if qt == "w4a8-int" else "mxfp8")
     assert m.head.act is None and m.layers[2].attn.compressor.wkv.act == (None if qt == "w4a8-int" else "hif8")
+    # packed (ops.quant_linear) and dense (dequantised at load, the CPU default) are the same numerics
+    dense = load_model(converted[qt], progress=False)
+    assert dense.layers[2].attn.wq_b.fmt is None and dense.layers[2].attn.wq_b.weight.dtype == torch.float32
+    prompt = ref_logits[0][:40]
+    assert torch.equal(m.logits(m(prompt, m.new_state())), dense.logits(dense(prompt, dense.new_state())))
 
 
 @pytest.mark.parametrize("qt", ["w8a8-int", "w4a8-mx-hif"])
@@ -381,6 +386,11 @@ def test_nan_weights_and_bad_clip_factors_are_refused(orig, tmp_path, capsys):
                         "--quant-param-path", str(params)], capsys)
         assert rc == 2 and msg in err
         _assert_nothing_written(out)
+    torch.save({"layers.0.attn.wq_b.clip_factor_min": torch.ones(3)}, params / "quant_params_0.pt")
+    rc, err = _run(["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int",
+                    "--quant-param-path", str(params)], capsys)
+    assert rc == 2 and "layers.0.attn.wq_b.clip_factor_min has 3 values, expected 1 or 512" in err
+    _assert_nothing_written(out)
     torch.save({"layers.99.attn.wq_b.clip_factor_max": torch.tensor(0.5)}, params / "quant_params_0.pt")
     rc, err = _run(["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int",
                     "--quant-param-path", str(params)], capsys)
@@ -477,3 +487,38 @@ def test_compiled_decode_step_on_a_converted_checkpoint(converted):
     assert [s.output_ids for s in eager] == [s.output_ids for s in graph]
     worst = max(abs(p.logprob - q.logprob) for a, b in zip(eager, graph) for p, q in zip(a.logprobs, b.logprobs))
     assert worst <= 1e-4
+
+
+def test_a_failed_final_rename_resumes_without_reconverting(orig, tmp_path, monkeypatch, capsys):
+    real_publish, real_write, calls = cm._publish, cm._write_shard, []
+
+    def fail(part, out):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(cm, "_publish", fail)
+    out = tmp_path / "out"
+    argv = ["--input-fp8-hf-path", str(orig), "--output-hf-path", str(out), "--quant-type", "w8a8-int"]
+    rc, err = _run(argv, capsys)
+    assert rc == 2 and "resume" in err and not out.exists()
+    monkeypatch.setattr(cm, "_publish", real_publish)
+    monkeypatch.setattr(cm, "_write_shard", lambda *a: (calls.append(a[1]), real_write(*a)))
+    assert _run(argv, capsys)[0] == 0
+    assert calls == [] and not (out / cm.STATE_FILE).exists() and ModelArgs.from_json(out).quant.quant_type
+
+
+def test_publish_into_a_mount_point_moves_the_entries(tmp_path, monkeypatch):
+    part, out = tmp_path / ".out.partial", tmp_path / "out"
+    part.mkdir()
+    out.mkdir()
+    (part / "a.json").write_text("1")
+    (part / cm.STATE_FILE).write_text("{}")
+    real = os.replace
+
+    def exdev(a, b):
+        if Path(a) == part:
+            raise OSError(18, "Invalid cross-device link")
+        return real(a, b)
+
+    monkeypatch.setattr(cm.os, "replace", exdev)
+    cm._publish(part, out)
+    assert not part.exists() and (out / "a.json").read_text() == "1" and (out / cm.STATE_FILE).exists()

@@ -493,11 +493,13 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
     view, as upstream's W8A8 linear passes it (recipe ``compressed_tensors_w8a8_int8.py``).
 
     Falls back to the reference for: MXFP8 / HiF8 weights (the 950 kernels take MX scales / HiF8
-    dtypes this wrapper does not set up), x not bf16/fp16, not on an NPU, or no rows.
+    dtypes this wrapper does not set up), x not bf16/fp16, not on an NPU, no rows, or a weight dim
+    of 65536 or more (the doc caps x1 / x2's last dims at 65535; upstream transposes wq_b there).
     """
     lead = x.shape[:-1]
     why = _first(None if fmt == "int8" and act == "int8-token" else f"{fmt} weights with {act} activations",
-                 _dtype_why("x", x, _HALF), _device_why(x), None if x.numel() else "no rows")
+                 _dtype_why("x", x, _HALF), _device_why(x), None if x.numel() else "no rows",
+                 None if max(weight.shape) < 65536 else "a weight dim >= 65536 (the kernel takes <= 65535)")
     if why:
         return _fallback("quant_linear", why, x, weight, scale, fmt, act)
     npu = _torch_npu()
