@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from engine.checkpoint import model_linears  # noqa: E402
 from engine.qscheme import QUANT_TYPES  # noqa: E402
 from engine.tiny import make_tiny  # noqa: E402
-from engine.weights import _Reader, dequant_linear, load_model, scan_checkpoint  # noqa: E402
+from engine.weights import ShardReader, dequant_linear, load_model, scan_checkpoint  # noqa: E402
 
 _CONVERT = r"""
 import json, sys, time
@@ -44,14 +44,11 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "peak_growth_mib": (statu
 
 def _weight_errors(orig: Path, conv: Path) -> dict[str, float]:
     """Relative Frobenius error of each stored format vs the original weights, over all linears."""
-    from contextlib import ExitStack
-
     from engine.config import ModelArgs
     a0, a1 = ModelArgs.from_json(orig), ModelArgs.from_json(conv)
     l0, l1 = model_linears(a0), model_linears(a1)
     err: dict[str, list[float]] = {}
-    with ExitStack() as st:
-        r0, r1 = _Reader(orig, scan_checkpoint(orig), st), _Reader(conv, scan_checkpoint(conv), st)
+    with ShardReader(orig, scan_checkpoint(orig)) as r0, ShardReader(conv, scan_checkpoint(conv)) as r1:
         for name, lin in l1.items():
             if lin.kind in ("bf16", "fp8", "fp4") or l0[name].kind == lin.kind:
                 continue

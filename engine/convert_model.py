@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -38,8 +37,8 @@ from engine.hif8 import hif8_quant_per_channel
 from engine.qformats import int4_bias, pack_int4_rows, quant_int4, quant_int8, quant_mx, scale_to_u64
 from engine.qscheme import QUANT_TYPES, compressed_tensors_config, linear_format
 from engine.quant import QuantFormatError
-from engine.weights import (DTYPE_BYTES, INDEX_FILE, CheckpointError, StoredTensor, dequant_linear, read_shard_header,
-                            scan_checkpoint, stored_args, validate_layout)
+from engine.weights import (DTYPE_BYTES, INDEX_FILE, CheckpointError, ShardReader, StoredTensor, dequant_linear,
+                            read_shard_header, scan_checkpoint, stored_args, validate_layout)
 
 STATE_FILE = "convert_state.json"
 _NOT_COPIED = {"config.json", INDEX_FILE, "config.json.bak"}
@@ -182,7 +181,7 @@ def convert_model(src: str | Path, out: str | Path, quant_type: str, quant_param
     linears = model_linears(args)
     _bound_heap()
     try:
-        with _Shards(src, found) as reader:
+        with ShardReader(src, found, max_open=1) as reader:
             bar = tqdm(shards, desc=f"converting to {quant_type}", unit="shard", disable=not progress)
             for shard in bar:
                 if shard in state["done"]:
@@ -236,29 +235,6 @@ def _bound_heap() -> None:
 def _release_memory() -> None:
     """Hand the freed heap back to the OS between shards."""
     _libc("malloc_trim", 0)
-
-
-class _Shards:
-    """Reads single tensors, one shard open at a time (its memory-mapped pages count as resident)."""
-
-    def __init__(self, src: Path, found: dict[str, StoredTensor]):
-        self.src, self.found, self.open = src, found, {}
-
-    def get(self, name: str) -> torch.Tensor:
-        f = self.found[name].file
-        if f not in self.open:
-            if self.open:
-                self.open.pop(next(iter(self.open))).__exit__(None, None, None)
-            self.open[f] = safe_open(str(self.src / f), framework="pt").__enter__()
-        return self.open[f].get_tensor(name)
-
-    def __enter__(self) -> "_Shards":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.open.values():
-            h.__exit__(None, None, None)
-        self.open.clear()
 
 
 def _resume_state(part: Path, fp: str) -> dict:

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import struct
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,20 +176,35 @@ def validate_layout(expected: dict[str, TensorSpec], found: dict[str, StoredTens
         raise CheckpointError(f"checkpoint: {problems[0]}{more}")
 
 
-class _Reader:
-    """Opens shards lazily and returns single tensors."""
+class ShardReader:
+    """Reads single tensors of a checkpoint, opening shards lazily (a context manager).
 
-    def __init__(self, ckpt: Path, found: dict[str, StoredTensor], stack: ExitStack):
-        self.ckpt, self.found, self.stack, self.handles = ckpt, found, stack, {}
+    ``max_open`` bounds the shards kept open (their memory-mapped pages count as resident);
+    None keeps every shard open until exit.
+    """
+
+    def __init__(self, ckpt: Path, found: dict[str, StoredTensor], max_open: int | None = None):
+        self.ckpt, self.found, self.max_open, self.handles = ckpt, found, max_open, {}
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name``. Raises CheckpointError when its shard cannot be read."""
         file = self.found[name].file
         try:
             if file not in self.handles:
-                self.handles[file] = self.stack.enter_context(safe_open(str(self.ckpt / file), framework="pt"))
+                if self.max_open is not None and len(self.handles) >= self.max_open:
+                    self.handles.pop(next(iter(self.handles))).__exit__(None, None, None)
+                self.handles[file] = safe_open(str(self.ckpt / file), framework="pt").__enter__()
             return self.handles[file].get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(f"checkpoint: shard {file}: tensor '{name}' cannot be read: {e}") from None
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles.values():
+            h.__exit__(None, None, None)
+        self.handles.clear()
 
 
 def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:
@@ -237,7 +251,7 @@ def dequant_linear(name: str, kind: str, get, block: tuple[int, int] = (128, 128
     raise QuantFormatError(f"unknown storage kind {kind!r}")
 
 
-def _dequant(name: str, lin: LinearSpec, reader: _Reader, args: ModelArgs) -> torch.Tensor:
+def _dequant(name: str, lin: LinearSpec, reader: ShardReader, args: ModelArgs) -> torch.Tensor:
     try:
         return dequant_linear(name, lin.kind, reader.get, args.quant.weight_block_size if args.quant else (128, 128))
     except QuantFormatError as e:
@@ -321,8 +335,7 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     covered = {t for n, lin in linears.items() for t in linear_tensors(n, lin, args)}
     kinds = packed_kinds(ops, packed)
     plain = [n for n in found if n not in covered]
-    with ExitStack() as stack, torch.no_grad():
-        reader = _Reader(ckpt, found, stack)
+    with ShardReader(ckpt, found) as reader, torch.no_grad():
         bar = tqdm(total=len(linears) + len(plain), desc="loading weights", unit="tensor", disable=not progress)
         for name, lin in linears.items():
             w = _dequant(name, lin, reader, args)

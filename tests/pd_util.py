@@ -1,7 +1,9 @@
 """What the P/D process tests share: starting a ``LocalPD`` on the tiny flash checkpoint, random
-token prompts, and waiting until workers hold no state."""
+token prompts, checking concurrent completions against an in-process engine, and waiting until
+workers hold no state."""
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 
 import pytest
@@ -28,6 +30,29 @@ def start_pd(ckpt: str, log, num_prefill: int = 1, num_decode: int = 1, flags: l
 
 def rand_prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1000, 60000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_completions_match(pd: LocalPD, reference, cases, max_tokens: int) -> None:
+    """Concurrent ``/v1/completions`` (``openai`` client) for ``cases`` of (prompt length,
+    temperature, seed) carry the token ids ``reference`` (an in-process engine) gives each alone."""
+    from openai import OpenAI
+
+    from engine.sampling import SamplingParams
+    client = OpenAI(base_url=pd.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def one(case):
+        n, temperature, seed = case
+        r = client.completions.create(model=model, prompt=rand_prompt(n, n), max_tokens=max_tokens,
+                                      temperature=temperature, seed=seed,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+        return r.choices[0].model_extra["token_ids"]
+
+    with cf.ThreadPoolExecutor(len(cases)) as ex:
+        got = list(ex.map(one, cases))
+    for (n, temperature, seed), ids in zip(cases, got):
+        p = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+        assert ids == reference.generate([rand_prompt(n, n)], p)[0].output_ids, (n, temperature)
 
 
 def wait_idle(pd: LocalPD, names, timeout_s: float = 30) -> None:

@@ -3,16 +3,13 @@
 in-process engine's tokens."""
 from __future__ import annotations
 
-import concurrent.futures as cf
 import time
 
 import httpx
 import pytest
 import yaml
-from openai import OpenAI
 
-from engine.sampling import SamplingParams
-from pd_util import CONFIG, rand_prompt, start_pd, wait_idle
+from pd_util import CONFIG, assert_completions_match, start_pd, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +39,5 @@ def test_graph_decode_worker_streams_the_eager_tokens(cluster, reference):
     health = httpx.get(cluster.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
     assert health["exe_mode"] == "npugraph_ex" and health["graph"]["backend"] == "torch.compile (inductor)"
     assert health["graph"]["buckets"] == [2] and health["graph"]["warmup_s"] > 0
-    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
-    model = client.models.list().data[0].id
-    cases = [(100, 0.0, 0), (129, 0.8, 7), (300, 0.0, 0), (61, 1.0, 11)]
-
-    def one(case):
-        n, temperature, seed = case
-        r = client.completions.create(model=model, prompt=rand_prompt(n, n), max_tokens=12, temperature=temperature,
-                                      seed=seed, extra_body={"return_token_ids": True, "ignore_eos": True})
-        return r.choices[0].model_extra["token_ids"]
-
-    with cf.ThreadPoolExecutor(4) as ex:
-        got = list(ex.map(one, cases))
-    for (n, temperature, seed), ids in zip(cases, got):
-        p = SamplingParams(max_new_tokens=12, temperature=temperature, seed=seed, ignore_eos=True)
-        assert ids == reference.generate([rand_prompt(n, n)], p)[0].output_ids, (n, temperature)
+    assert_completions_match(cluster, reference, [(100, 0.0, 0), (129, 0.8, 7), (300, 0.0, 0), (61, 1.0, 11)], 12)
     wait_idle(cluster, ["prefill0", "decode0"])
