@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.hif8 import hif8_decode, hif8_round
+from engine.qformats import dequant_int, dequant_mx, mx_fake_quant
+
 # Query-chunk budget: elements of one score block (T_chunk x h x keys) kept in fp32.
 SCORE_BUDGET = 1 << 23
 # CPU BLAS computes leftover rows (below its row-panel height) with other kernels that round
@@ -92,8 +95,6 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
     Raises:
         ValueError: an unknown fmt.
     """
-    from engine.hif8 import hif8_decode
-    from engine.qformats import dequant_int, dequant_mx
     if fmt == "int8":
         w = dequant_int(weight, scale)
     elif fmt == "mxfp8":
@@ -123,8 +124,6 @@ def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
     Raises:
         ValueError: an unknown scheme.
     """
-    from engine.hif8 import hif8_round
-    from engine.qformats import mx_fake_quant
     shape, xf = x.shape, x.float().reshape(-1, x.shape[-1])
     if scheme == "int8-token":
         s = xf.abs().amax(-1, keepdim=True) / 127
