@@ -28,12 +28,29 @@ def _pad_rows(M: int) -> int:
     return -(-M // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE - M
 
 
+# Weights at least this large (elements; 32 MiB in fp32, past any CPU cache), e.g. the LM head,
+# are streamed: decode multiplies them by a few rows, where the row-major GEMM wastes 3-5x the
+# bandwidth limit on CPU BLAS; ``weight @ x_block^T`` over fixed 8-row blocks stays near it.
+WIDE_WEIGHT = 1 << 23
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
+    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``.
+
+    A row's result never depends on the other rows: every call has a multiple of 8 rows, and a
+    ``WIDE_WEIGHT`` weight is applied to blocks of exactly 8 rows (one kernel shape for all M).
+    """
     pad = _pad_rows(x.shape[0])
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    if weight.numel() >= WIDE_WEIGHT:
+        out = torch.empty(xp.shape[0], weight.shape[0], dtype=torch.promote_types(x.dtype, weight.dtype),
+                          device=x.device)
+        for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
+            out[b:b + GEMM_ROW_MULTIPLE] = torch.mm(weight, xp[b:b + GEMM_ROW_MULTIPLE].t()).t()
+        return out[: x.shape[0]]
     if pad == 0:
         return F.linear(x, weight)
-    return F.linear(F.pad(x, (0, 0, 0, pad)), weight)[: x.shape[0]]
+    return F.linear(xp, weight)[: x.shape[0]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -180,9 +197,9 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     post = 2 * _sigmoid(post_w * scale[1] + post_b)
     comb = torch.softmax(comb_w.view(T, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):                             # in place: 4 small ops, not 6
+        comb.div_(comb.sum(dim=-1, keepdim=True).add_(hc_eps))
+        comb.div_(comb.sum(dim=-2, keepdim=True).add_(hc_eps))
     y = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)                 # [T, H]
     return y, post, comb
 
@@ -301,10 +318,17 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, p
         n_allowed = min(keys.shape[0], int(pos[-1] + 1) // ratio)
         if n_allowed == 0:
             continue
-        s = F.relu(torch.einsum("thd,nd->thn", q[t0:t1].float(), keys[:n_allowed].float())) * scale
-        s = (s * weights[t0:t1].float().unsqueeze(-1)).sum(dim=1)            # [t, n]
+        s = weighted_relu_sum(torch.einsum("thd,nd->thn", q[t0:t1].float(), keys[:n_allowed].float()),
+                              weights[t0:t1], scale)                          # [t, n]
         allowed = torch.arange(n_allowed, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
         yield t0, t1, s.masked_fill(~allowed, float("-inf")), allowed
+
+
+def weighted_relu_sum(s: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """``sum_h (w_h * scale) * ReLU(s_h)`` for ``s [t, h, n]`` fp32 (overwritten) and ``weights
+    [t, h]``: ReLU in place, then one batched matmul over heads, so the ``[t, h, n]`` block is
+    read twice instead of materialised three more times (it bounds long prefill). -> ``[t, n]``."""
+    return torch.bmm((weights.float() * scale).unsqueeze(1), s.clamp_min_(0)).squeeze(1)
 
 
 def _topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
@@ -399,6 +423,10 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
+# Up to this many tokens (decode batches) the routed experts run as three batched matmuls over
+# the experts in use instead of a loop over experts: one GEMM per expert either way, on rows
+# padded to a multiple of 8, so every row gets the same bits (tests/test_ops.py checks it).
+MOE_BATCHED_TOKENS = 16
 def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
                 routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: ``s = sqrt(softplus(logits))``; experts = top-k of ``s + bias`` (bias picks only) or
@@ -447,9 +475,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     tok = order // k
     wt = weights.reshape(-1)[order]
+    if T <= MOE_BATCHED_TOKENS:
+        return _moe_batched(x, flat[order], tok, wt, out, w1, w3, w2, limit, act)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
@@ -464,3 +494,22 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
         start += c
     return out.to(x.dtype)
 
+
+def _moe_batched(x, eid, tok, wt, out, w1, w3, w2, limit, act):
+    """``moe_experts``' loop as batched matmuls: eid / tok / wt ``[T*k]`` sorted by expert (stable).
+
+    Expert g's rows sit at ``[g, 0:c_g]`` of a ``[U, M, H]`` block (U experts in use, M = the
+    largest count rounded up to 8); rows of one token accumulate in ascending expert order."""
+    used, counts = torch.unique_consecutive(eid, return_counts=True)
+    M = -(-int(counts.max()) // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE
+    group = torch.repeat_interleave(torch.arange(used.shape[0], device=x.device), counts)
+    rank = torch.arange(eid.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[group]
+    xg = x.new_zeros(used.shape[0], M, x.shape[1])
+    xg[group, rank] = x[tok]
+    h = swiglu_clamp(torch.bmm(xg, w1[used].to(x.dtype).transpose(1, 2)),
+                     torch.bmm(xg, w3[used].to(x.dtype).transpose(1, 2)), limit)
+    if act is not None:
+        h = act_quant(h, act)
+    y = torch.bmm(h, w2[used].to(x.dtype).transpose(1, 2))[group, rank].float() * wt[:, None].float()
+    out.index_add_(0, tok, y)
+    return out.to(x.dtype)
