@@ -328,6 +328,8 @@ class PagedLayerState:
         self.bs, self.ring, self.window = bs, g.ring_len, cache.args.sliding_window
         self.win_pool, self.win_table = cache.win[layer], tables["win"]
         self.cmp_kv = self.comp = self.idx_kv = self.idx_comp = None
+        # the whole state pools of this layer, for decode rows batched across requests
+        self.comp_pool, self.idx_comp_pool = cache.comp.get(layer), cache.idx_comp.get(layer)
         ratio = cache.args.compress_ratios[layer]
         if ratio:
             table = tables["c4" if ratio == CSA_RATIO else "c128"]
@@ -372,6 +374,7 @@ class PagedSequenceState:
         # block tables as tensors once per step, shared by all layers; ``layers``: build only these
         # (the others are None), e.g. when P/D extracts one finished layer
         tables = {p: torch.tensor(b, dtype=torch.long, device=cache.device) for p, b in held.tables.items()}
+        self.cache, self.held = cache, held
         keep = None if layers is None else set(layers)
         self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) if keep is None or l in keep else None
                        for l in range(cache.geometry.num_layers)]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import CSA_RATIO, ModelArgs
+from engine.model.batched_decode import attend_rows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.ops import Ops
 from engine.ops.reference import num_new_entries
@@ -89,13 +90,14 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, rope, dtype, ops) if ratio == CSA_RATIO else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int, int]],
-                states: list[LayerState], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                states: list[LayerState], cos: torch.Tensor, sin: torch.Tensor, dec=None) -> torch.Tensor:
         """Packed tokens of several sequences -> attention output ``[T, H]``.
 
         x ``[T, H]`` (normed); positions ``[T]``; spans: per sequence ``(offset, length, start_pos)``
         into the packed rows; states: that sequence's state for this layer (updated in place);
         cos/sin ``[T, r/2]`` of this layer's rope. Projections run over all rows at once; the window,
-        compressors, indexer and sparse attention run per sequence.
+        compressors, indexer and sparse attention run per sequence, except for the single-token
+        rows in ``dec`` (``batched_decode.DecodeRows``), which run together (same values).
         """
         T = x.shape[0]
         ops = self.ops
@@ -106,7 +108,10 @@ class Attention(nn.Module):
         if self.indexer is not None:
             iq, iw = self.indexer.project(x, c_q, cos, sin)
         o = torch.empty_like(q)
-        for (off, n, start_pos), state in zip(spans, states):
+        together = set(dec.seq) if dec is not None else ()
+        for j, ((off, n, start_pos), state) in enumerate(zip(spans, states)):
+            if j in together:
+                continue
             sl = slice(off, off + n)
             win_kv, win_pos0 = state.window_keys(kv[sl], start_pos)
             state.write_window(kv[sl], start_pos)
@@ -118,6 +123,10 @@ class Attention(nn.Module):
                     topk = self.indexer.select(x[sl], iq[sl], iw[sl], positions[sl], start_pos, state)
             o[sl] = ops.sparse_attn(q[sl], positions[sl], win_kv, win_pos0, self.window, cmp_kv, self.ratio, topk,
                                     self.attn_sink, self.head_dim ** -0.5)
+        if dec is not None:
+            r = dec.rows
+            o[r] = attend_rows(self, dec, [states[j] for j in dec.seq], x[r], q[r], kv[r],
+                               iq[r] if self.indexer is not None else None, iw[r] if self.indexer is not None else None)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
         o = ops.grouped_linear(self.wo_a.quant_input(o.reshape(T, self.n_groups, -1)), self.wo_a.weight)
         return self.wo_b(o.flatten(1))

@@ -203,8 +203,7 @@ class StaticDecoder:
         c, bs, idx = self.cache, self.bs, att.indexer
         N = self.widths["c4"] * bs
         keys = c.idx_kv[i][_rows(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
-        s = F.relu(torch.einsum("bhd,bnd->bhn", iq.float(), keys)) * idx.head_dim ** -0.5
-        s = (s * iw.float().unsqueeze(-1)).sum(dim=1)                             # [B, N]
+        s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", iq.float(), keys), iw, idx.head_dim ** -0.5)
         allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
         return reference._topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
 

@@ -5,6 +5,7 @@ name lookup. Letters: T tokens, n mHC streams, H hidden, V vocab.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from engine.config import ModelArgs
 from engine.model.attention import Attention
+from engine.model.batched_decode import DecodeRows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.model.moe import MoE
 from engine.ops import REFERENCE, Ops
@@ -44,13 +46,13 @@ class Block(nn.Module):
 
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 spans: list[tuple[int, int, int]], states: list[LayerState], cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, dec=None) -> torch.Tensor:
         """X ``[T, n, H]`` fp32 residual streams -> ``[T, n, H]`` fp32; blocks compute in ``self.dtype``.
 
-        Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states).
+        Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states / dec).
         """
         y, post, comb = self._hc_pre(X, "attn")
-        a = self.attn(self.attn_norm(y).to(self.dtype), positions, spans, states, cos, sin)
+        a = self.attn(self.attn_norm(y).to(self.dtype), positions, spans, states, cos, sin, dec)
         X = self.ops.hc_post(a, X, post, comb)
         y, post, comb = self._hc_pre(X, "ffn")
         m = self.ffn(self.ffn_norm(y).to(self.dtype), tokens)
@@ -113,6 +115,10 @@ class Transformer(nn.Module):
         self.head = Linear(args.hidden_size, args.vocab_size, torch.float32, ops)
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
+        # decode rows of paged requests attend together (batched_decode); it is the reference
+        # math, so only where the window / compressor / indexer / attention ops are the reference
+        self._batch_decode = all(inspect.unwrap(getattr(ops, n)) is getattr(REFERENCE, n)
+                                 for n in ("sparse_attn", "compressor", "indexer_topk"))
 
     def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False) -> None:
         """Run options of the eager path: routed-MoE chunk length (custom_params.moe_chunk_max_len),
@@ -182,9 +188,10 @@ class Transformer(nn.Module):
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
         X = F.embedding(tokens, self.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        dec = DecodeRows.build(states, spans, a.sliding_window) if self._batch_decode else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
-                      *(compress if layer.attn.ratio else main))
+                      *(compress if layer.attn.ratio else main), dec)
             if layer_hook is not None:
                 layer_hook(i)
         for st, n in zip(states, lengths):

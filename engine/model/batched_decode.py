@@ -1,0 +1,219 @@
+"""Decode rows of many requests in one set of tensor ops (reference/dsv4-architecture.md §3.3-§3.5).
+
+``Attention.forward`` walks the packed batch sequence by sequence: right for prefill chunks, but
+at decode it runs the window, compressors, indexer and sparse attention once per request and
+layer, a few dozen small ops each. Here every single-token row whose state lives in the same
+``PagedCache`` goes through them together: ring / entry / state-slot indices are computed once
+per step (``DecodeRows``), and each layer gathers, updates and attends for all rows at once.
+
+Every row's result is bit-identical to the per-sequence path (``tests/test_batched_decode.py``):
+the same kernels on the same per-row shapes (batched matmuls run one GEMM per row, row-wise ops
+do not mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA before its
+first entry) are attended in separate groups, since a longer reduction rounds differently.
+Letters: B rows, h heads, d head dim, W window, k top-k, N entries, m compress ratio.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import PagedCache, PagedSequenceState
+from engine.config import CSA_RATIO
+from engine.ops import reference
+from engine.ops.reference import _gemm, _topk_low_index, weighted_relu_sum
+
+
+PROFILE_LABEL = "decode_rows"         # torch.profiler label of one layer's batched decode attention
+
+
+@dataclass
+class DecodeRows:
+    """Single-token rows of a packed batch over one ``PagedCache``, with their indices.
+
+    seq: index of each row's sequence in the batch; rows ``[B]``: its packed row; positions
+    ``[B]`` int64 (the new token's position p) and ``pos`` the same as ints; slots ``[B]``: state
+    slots; win_rows ``[B, W]``: ring pool rows of positions p-W+1 .. p (position < 0: any row,
+    ``win_valid`` False); win_write ``[B]``: ring row of p; tables: per entry pool, block tables
+    ``[B, max blocks]`` int64 (zero padded).
+    """
+
+    cache: PagedCache
+    seq: list[int]
+    rows: torch.Tensor
+    positions: torch.Tensor
+    pos: list[int]
+    slots: torch.Tensor
+    win_rows: torch.Tensor
+    win_valid: torch.Tensor
+    win_write: torch.Tensor
+    tables: dict[str, torch.Tensor]
+
+    @classmethod
+    def build(cls, states: list, spans: list[tuple[int, int, int]], window: int) -> "DecodeRows | None":
+        """The rows of ``spans`` with one token whose state is a ``PagedSequenceState`` of the first
+        such state's cache; None when there are none."""
+        pick = [j for j, (st, (_, n, _)) in enumerate(zip(states, spans))
+                if n == 1 and isinstance(st, PagedSequenceState)]
+        if not pick:
+            return None
+        cache = states[pick[0]].cache
+        pick = [j for j in pick if states[j].cache is cache]
+        dev, bs, ring = cache.device, cache.config.block_size, cache.geometry.ring_len
+        pos = [spans[j][2] for j in pick]
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        held = [states[j].held for j in pick]
+        win = torch.tensor([h.tables["win"] for h in held], dtype=torch.long, device=dev)
+        wpos = positions[:, None] - window + 1 + torch.arange(window, device=dev)
+        tables = {}
+        for p in ("c4", "c128"):
+            width = max(len(h.tables.get(p, [])) for h in held)
+            if width:
+                t = torch.zeros(len(pick), width, dtype=torch.long, device=dev)
+                for i, h in enumerate(held):
+                    t[i, :len(h.tables[p])] = torch.tensor(h.tables[p], dtype=torch.long, device=dev)
+                tables[p] = t
+        return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev), positions,
+                   pos, torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
+                   _rows(win, bs, wpos % ring), wpos >= 0, _rows(win, bs, (positions % ring)[:, None])[:, 0], tables)
+
+
+def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
+    """Slot mapping per row: table ``[B, nb]``, logical indices ``idx [B, n]`` -> flat pool rows."""
+    return table.gather(1, idx // bs) * bs + idx % bs
+
+
+def _groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """(key, row indices) per distinct key, in first-seen order."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return [(k, torch.tensor(v, dtype=torch.long)) for k, v in out.items()]
+
+
+def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torch.Tensor, torch.Tensor],
+                  entry_pool: torch.Tensor, table: torch.Tensor | None, entries, out_dtype: torch.dtype) -> None:
+    """``reference.compressor`` (§3.4) for one token per row, over the state and entry pools.
+
+    x ``[B, H]``; state_pool: (kv, score) ``[slots, rows, c*d]`` fp32; entry_pool ``[rows, d]``; table
+    ``[B, nb]`` of the entry pool; entries: each row's ``PagedEntries`` (their counts advance).
+    A row whose window closes (p % m == m-1) pools it and writes entry p // m.
+    """
+    m, width = comp.ape.shape
+    overlap = m == CSA_RATIO
+    d = width // 2 if overlap else width
+    xf = comp.wkv.quant_input(x).float()
+    r = dec.positions % m
+    kv = _gemm(xf, comp.wkv.weight.float())
+    score = _gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
+    skv, ssc = state_pool
+    shut = [i for i, p in enumerate(dec.pos) if p % m == m - 1]
+    if len(shut) < len(dec.pos):
+        keep = torch.tensor([i for i, p in enumerate(dec.pos) if p % m != m - 1], dtype=torch.long)
+        skv[dec.slots[keep], r[keep]] = kv[keep]
+        ssc[dec.slots[keep], r[keep]] = score[keep]
+    if not shut:
+        return
+    c = torch.tensor(shut, dtype=torch.long)
+    s = dec.slots[c]
+    ckv = torch.cat([skv[s, :m - 1], kv[c, None]], dim=1)                   # [n, m, c*d]
+    csc = torch.cat([ssc[s, :m - 1], score[c, None]], dim=1)
+    if overlap:
+        prev_kv, prev_sc = skv[s, m:2 * m, :d], ssc[s, m:2 * m, :d]
+        skv[s, m:2 * m, :d] = ckv[:, :, :d]
+        ssc[s, m:2 * m, :d] = csc[:, :, :d]
+        ckv = torch.cat([prev_kv, ckv[:, :, d:]], dim=1)                      # [n, 2m, d]
+        csc = torch.cat([prev_sc, csc[:, :, d:]], dim=1)
+    pooled = (ckv * csc.softmax(dim=1)).sum(dim=1)                            # [n, d]
+    e = dec.positions[c] // m
+    cos, sin = comp.rope.cos_sin(e * m)
+    out = reference.rope(reference.rms_norm(pooled, comp.norm.weight, comp.norm.eps), cos, sin).to(out_dtype)
+    entry_pool[_rows(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
+    for i in shut:
+        entries[i].num_entries += 1
+
+
+def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entries) -> torch.Tensor:
+    """``reference.indexer_topk`` (§3.5) for one query per row: ``[B, k]`` entry ids (-1 = none).
+
+    iq ``[B, h, dI]``, iw ``[B, h]``; entries: each row's indexer ``PagedEntries`` (keys gathered
+    per row; rows with the same key count score in one batched matmul)."""
+    out = torch.full((iq.shape[0], idx.topk), -1, dtype=torch.long, device=iq.device)
+    for n, g in _groups([e.num_entries for e in entries]):
+        if n == 0:
+            continue
+        keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
+        s = weighted_relu_sum(torch.einsum("thd,tnd->thn", iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
+        allowed = torch.ones_like(s, dtype=torch.bool)
+        out[g] = _topk_low_index(s, allowed, idx.topk)
+    return out
+
+
+def _hca(a: torch.Tensor, ck: torch.Tensor, shared: str, batched: str) -> torch.Tensor:
+    """An HCA product over per-row entries ``ck [b, N, d]``. With one entry einsum takes another
+    kernel than the per-sequence path's shared-key form, so that case runs row by row in it."""
+    if ck.shape[1] > 1:
+        return torch.einsum(batched, a, ck)
+    return torch.cat([torch.einsum(shared, a[i:i + 1], ck[i]) for i in range(ck.shape[0])])
+
+
+def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
+    """``Attention.forward``'s per-sequence body for all decode rows of one layer (§3.3 steps 4-6).
+
+    x ``[B, H]``, q ``[B, h, d]``, kv ``[B, d]`` (roped), iq / iw the indexer's projections;
+    lstates: each row's ``PagedLayerState`` of this layer. Updates the ring, the compressor states
+    and the entry pools; returns the attention output ``[B, h, d]`` (still roped) in q.dtype.
+    """
+    with torch.profiler.record_function(PROFILE_LABEL):
+        return _attend_rows(att, dec, lstates, x, q, kv, iq, iw)
+
+
+def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
+    B, h, d = q.shape
+    s0, bs = lstates[0], dec.cache.config.block_size
+    win = s0.win_pool
+    win[dec.win_write] = kv
+    wk = win[dec.win_rows].float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
+    wk = wk.transpose(1, 2)                                                    # [B, d, W]
+    ck = topk = None
+    if att.compressor is not None:
+        pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
+        compress_rows(att.compressor, x, dec, s0.comp_pool, s0.cmp_kv.pool, dec.tables.get(pool_name),
+                      [s.cmp_kv for s in lstates], kv.dtype)
+        if att.indexer is not None:
+            compress_rows(att.indexer.compressor, x, dec, s0.idx_comp_pool, s0.idx_kv.pool, dec.tables.get("c4"),
+                          [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype)
+            topk = indexer_rows(att.indexer, iq, iw, dec, [s.idx_kv for s in lstates])
+            keys = [att.indexer.topk if s.cmp_kv.num_entries else 0 for s in lstates]
+        else:
+            keys = [s.cmp_kv.num_entries for s in lstates]
+    else:
+        keys = [0] * B
+    qf, scale = q.float(), att.head_dim ** -0.5
+    o = torch.empty_like(q)
+    for n, g in _groups(keys):
+        kq = qf[g]
+        scores = [torch.einsum("thd,tdw->thw", kq, wk[g]).mul(scale).masked_fill(~dec.win_valid[g][:, None],
+                                                                                   float("-inf"))]
+        if n and topk is not None:                                             # CSA: the indexer's picks
+            t = topk[g]
+            valid = t >= 0
+            ck = s0.cmp_kv.pool[_rows(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
+            scores.append(torch.einsum("thd,tkd->thk", kq, ck).mul(scale).masked_fill(~valid[:, None],
+                                                                                       float("-inf")))
+        elif n:                                                                 # HCA: every entry
+            idx = torch.arange(n, device=q.device).expand(len(g), n)
+            ck = s0.cmp_kv.pool[_rows(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
+            scores.append(_hca(kq, ck, "thd,nd->thn", "thd,tnd->thn").mul(scale))
+        sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
+        logits = torch.cat(scores + [sink], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
+        W = wk.shape[-1]
+        og = torch.einsum("thw,tdw->thd", probs[..., :W], wk[g])
+        if n and topk is not None:
+            og = og + torch.einsum("thk,tkd->thd", probs[..., W:-1], ck)
+        elif n:
+            og = og + _hca(probs[..., W:-1], ck, "thn,nd->thd", "thn,tnd->thd")
+        o[g] = og.to(q.dtype)
+    return o

@@ -1,0 +1,73 @@
+"""Decode rows batched across requests (engine.model.batched_decode) give every row the bits of
+the per-sequence path: hidden states, and the ring / compressor state / entry pools they leave."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import CacheConfig, PagedCache
+from engine.weights import load_model
+
+# prompt lengths: a decode at position p = length. Covers p < window, the first CSA entry (p = 3),
+# CSA windows closing (p % 4 == 3) and not, the first HCA entry (p = 127), HCA closing at 255,
+# and different entry counts in one batch (separate softmax groups)
+LENGTHS = [0, 3, 5, 126, 127, 130, 255, 259, 400, 511]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt("flash", 1), progress=False)
+
+
+def _prefill(model, cache, prompts):
+    for i, p in enumerate(prompts):
+        cache.allocate(i, len(p) + 8)
+        if len(p):
+            model.forward_batch(p, [cache.sequence_state(i, 0)], [len(p)])
+
+
+def test_batched_rows_equal_one_at_a_time(model):
+    torch.manual_seed(0)
+    V = model.args.vocab_size
+    prompts = [torch.randint(0, V, (n,)) for n in LENGTHS]
+    cfg = CacheConfig(16, len(LENGTHS), {"c4": 120, "c128": 16})
+    together, alone = PagedCache(model.args, cfg, torch.float32), PagedCache(model.args, cfg, torch.float32)
+    _prefill(model, together, prompts)
+    _prefill(model, alone, prompts)
+    assert model._batch_decode
+    for step in range(6):                               # crosses more window closings
+        toks = torch.randint(0, V, (len(LENGTHS),))
+        pos = [n + step for n in LENGTHS]
+        h = model.forward_batch(toks, [together.sequence_state(i, p) for i, p in enumerate(pos)], [1] * len(pos))
+        model._batch_decode = False                     # the per-sequence path, one request per call
+        try:
+            ref = torch.cat([model.forward_batch(toks[i:i + 1], [alone.sequence_state(i, p)], [1])
+                             for i, p in enumerate(pos)])
+        finally:
+            model._batch_decode = True
+        assert torch.equal(h, ref), step
+    pools = lambda c: [*c.win, *c.cmp_kv.values(), *c.idx_kv.values(),  # noqa: E731
+                       *(t for pair in [*c.comp.values(), *c.idx_comp.values()] for t in pair)]
+    for a, b in zip(pools(together), pools(alone)):
+        assert torch.equal(a, b)
+
+
+def test_mixed_batch_prefill_and_decode_rows(model):
+    """A prefill chunk packed with decode rows: each row equals its own call (the chunk runs the
+    per-sequence path, the decode rows the batched one)."""
+    torch.manual_seed(1)
+    V = model.args.vocab_size
+    cfg = CacheConfig(16, 3, {"c4": 64, "c128": 8})
+    c1, c2 = PagedCache(model.args, cfg, torch.float32), PagedCache(model.args, cfg, torch.float32)
+    prompts = [torch.randint(0, V, (n,)) for n in (131, 300)]
+    for c in (c1, c2):
+        _prefill(model, c, prompts)
+        c.allocate(2, 200)
+    chunk, toks = torch.randint(0, V, (90,)), torch.randint(0, V, (2,))
+    h = model.forward_batch(torch.cat([toks[:1], chunk, toks[1:]]),
+                            [c1.sequence_state(0, 131), c1.sequence_state(2, 0), c1.sequence_state(1, 300)],
+                            [1, 90, 1])
+    ref = torch.cat([model.forward_batch(toks[:1], [c2.sequence_state(0, 131)], [1]),
+                     model.forward_batch(chunk, [c2.sequence_state(2, 0)], [90]),
+                     model.forward_batch(toks[1:], [c2.sequence_state(1, 300)], [1])])
+    assert torch.equal(h, ref)
