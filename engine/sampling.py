@@ -164,7 +164,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
     # when the batch has one row or many, which would make results depend on the batch
     # on the host: draws are then the same whichever device (or process) produced the logits
     logits = logits.detach().float().cpu()
-    work = _apply_penalties(logits.clone(), rows)
+    penalised = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+                    for r in rows)
+    work = _apply_penalties(logits.clone(), rows) if penalised else logits
     out = []
     for i, r in enumerate(rows):
         p = r.params
