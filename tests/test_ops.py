@@ -181,29 +181,29 @@ def test_row_results_do_not_depend_on_the_batch():
         assert all(torch.equal(t, torch.cat([a[k] for a in alone[:M]])) for k, t in enumerate(got))
 
 
-def test_wide_weight_and_batched_moe_keep_rows_independent(monkeypatch):
-    """The streamed path for weights past ``WIDE_WEIGHT`` (the LM head) and the batched routed
-    experts of decode-sized batches give each row the bits it gets alone, and the same bits as
-    the plain paths they replace."""
+def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
+    """The streamed LM head and the batched routed experts of decode-sized batches give each row
+    the bits it gets alone, and the same bits as the plain paths they replace; experts too large
+    to gather per call, and empty inputs, take the loop."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 64, generator=g), torch.randn(1000, 64, generator=g)
-    monkeypatch.setattr(R, "WIDE_WEIGHT", 1000 * 64)
-    alone = torch.cat([R.linear(x[i:i + 1], w) for i in range(40)])
+    alone = torch.cat([R.lm_head(x[i:i + 1], w) for i in range(40)])
     for M in (1, 2, 7, 8, 9, 17, 40):
-        assert torch.equal(R.linear(x[:M], w), alone[:M]), M
-    assert torch.allclose(alone, x @ w.T, atol=1e-5)
+        assert torch.equal(R.lm_head(x[:M], w), alone[:M]), M
+    assert torch.allclose(alone, x @ w.T, atol=1e-5) and R.lm_head(x[:0], w).shape == (0, 1000)
     E, I, H, k = 16, 32, 64, 6
     w1, w3 = torch.randn(E, I, H, generator=g) * 0.1, torch.randn(E, I, H, generator=g) * 0.1
     w2 = torch.randn(E, H, I, generator=g) * 0.1
     xs = torch.randn(40, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(40)])
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(40)])   # unsorted, as hash layers
     wts = torch.rand(40, k, generator=g)
     for act in (None, "int8-token"):
         alone = torch.cat([R.moe_experts(xs[i:i + 1], ids[i:i + 1], wts[i:i + 1], w1, w3, w2, 10.0, act)
                            for i in range(40)])
         for T in (2, 5, 16, 17, 40):                       # batched up to MOE_BATCHED_TOKENS, looped above
             assert torch.equal(R.moe_experts(xs[:T], ids[:T], wts[:T], w1, w3, w2, 10.0, act), alone[:T]), (T, act)
-        monkeypatch.setattr(R, "MOE_BATCHED_TOKENS", 0)
-        looped = R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act)
-        monkeypatch.setattr(R, "MOE_BATCHED_TOKENS", 16)
-        assert torch.equal(looped, alone[:16])
+        for key, value in (("MOE_BATCHED_TOKENS", 0), ("MOE_BATCHED_MAX_EXPERT", I * H - 1)):
+            monkeypatch.setattr(R, key, value)             # the loop: same bits
+            assert torch.equal(R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act), alone[:16])
+            monkeypatch.undo()
+    assert R.moe_experts(xs[:0], ids[:0], wts[:0], w1, w3, w2, 10.0).shape == (0, H)

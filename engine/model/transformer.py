@@ -202,4 +202,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, H]`` -> logits ``[T, V]`` fp32 (fp32 products of the compute-dtype hidden)."""
-        return self.head(hidden.float())
+        h = self.head
+        if h.fmt is not None:                      # a converted checkpoint keeping the head packed
+            return h(hidden.float())
+        return self.ops.lm_head(h.quant_input(hidden.float()), h.weight)

@@ -20,6 +20,7 @@ class Ops:
     rms_norm: Callable
     rope: Callable
     linear: Callable
+    lm_head: Callable
     act_quant: Callable
     quant_linear: Callable
     grouped_linear: Callable

@@ -541,6 +541,8 @@ KERNEL_APIS: dict[str, tuple[str, ...]] = {
 NOT_MAPPED: dict[str, str] = {
     "linear": "plain GEMM: the reference's F.linear already runs as the NPU matmul on NPU tensors; "
               "quantised GEMMs go through quant_linear",
+    "lm_head": "the vocab projection is a plain GEMM: on device tensors the reference runs it as the "
+               "NPU matmul (its streamed 8-row blocks are the CPU path only)",
     "act_quant": "emulates activation quantisation in front of the linears a converted checkpoint keeps "
                  "dense (routed experts, wo_a, compressors); on devices it belongs inside the quantised "
                  "GMM / batched matmul, which need packed weights those paths do not carry yet",

@@ -28,29 +28,33 @@ def _pad_rows(M: int) -> int:
     return -(-M // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE - M
 
 
-# Weights at least this large (elements; 32 MiB in fp32, past any CPU cache), e.g. the LM head,
-# are streamed: decode multiplies them by a few rows, where the row-major GEMM wastes 3-5x the
-# bandwidth limit on CPU BLAS; ``weight @ x_block^T`` over fixed 8-row blocks stays near it.
-WIDE_WEIGHT = 1 << 23
-
-
 def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``.
-
-    A row's result never depends on the other rows: every call has a multiple of 8 rows, and a
-    ``WIDE_WEIGHT`` weight is applied to blocks of exactly 8 rows (one kernel shape for all M).
-    """
+    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
     pad = _pad_rows(x.shape[0])
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    if weight.numel() >= WIDE_WEIGHT:
-        out = torch.empty(xp.shape[0], weight.shape[0], dtype=torch.promote_types(x.dtype, weight.dtype),
-                          device=x.device)
-        for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
-            out[b:b + GEMM_ROW_MULTIPLE] = torch.mm(weight, xp[b:b + GEMM_ROW_MULTIPLE].t()).t()
-        return out[: x.shape[0]]
     if pad == 0:
         return F.linear(x, weight)
-    return F.linear(xp, weight)[: x.shape[0]]
+    return F.linear(F.pad(x, (0, 0, 0, pad)), weight)[: x.shape[0]]
+
+
+def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The vocab projection ``x @ weight^T``: x ``[M, H]`` fp32 (the last hidden of each sequence),
+    weight ``[V, H]`` fp32; returns ``[M, V]`` fp32.
+
+    On CPU it streams the weight (the largest one, past any cache) as ``weight @ x_block^T`` over
+    fixed blocks of ``GEMM_ROW_MULTIPLE`` rows: for decode-sized M that stays near the memory
+    bandwidth limit, where CPU BLAS's row-major GEMM of a few rows runs ~2.5x slower; one kernel
+    shape for every M keeps each row's bits independent of the batch. Past ~8 rows per block the
+    cost grows linearly with M (compute in the small-N kernel). Elsewhere it is ``linear``.
+    """
+    if x.device.type != "cpu":
+        return linear(x, weight)
+    w = weight.to(x.dtype)
+    pad = _pad_rows(x.shape[0])
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    out = torch.empty(xp.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
+        out[b:b + GEMM_ROW_MULTIPLE] = torch.mm(w, xp[b:b + GEMM_ROW_MULTIPLE].t()).t()
+    return out[: x.shape[0]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -423,10 +427,12 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
-# Up to this many tokens (decode batches) the routed experts run as three batched matmuls over
-# the experts in use instead of a loop over experts: one GEMM per expert either way, on rows
+# Up to this many tokens (decode batches), and for experts up to this many weight elements (it
+# gathers the experts in use per call: cheap while they sit in cache), the routed experts run as
+# three batched matmuls instead of a loop over experts: one GEMM per expert either way, on rows
 # padded to a multiple of 8, so every row gets the same bits (tests/test_ops.py checks it).
 MOE_BATCHED_TOKENS = 16
+MOE_BATCHED_MAX_EXPERT = 1 << 20
 def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
                 routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: ``s = sqrt(softplus(logits))``; experts = top-k of ``s + bias`` (bias picks only) or
@@ -477,8 +483,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     order = torch.argsort(flat, stable=True)
     tok = order // k
     wt = weights.reshape(-1)[order]
-    if T <= MOE_BATCHED_TOKENS:
-        return _moe_batched(x, flat[order], tok, wt, out, w1, w3, w2, limit, act)
+    if 0 < T <= MOE_BATCHED_TOKENS and w1[0].numel() <= MOE_BATCHED_MAX_EXPERT:
+        return _moe_batched(x, ids, order, tok, wt, w1, w3, w2, limit, act)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     start = 0
     for e, c in enumerate(counts):
@@ -495,11 +501,13 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     return out.to(x.dtype)
 
 
-def _moe_batched(x, eid, tok, wt, out, w1, w3, w2, limit, act):
-    """``moe_experts``' loop as batched matmuls: eid / tok / wt ``[T*k]`` sorted by expert (stable).
-
-    Expert g's rows sit at ``[g, 0:c_g]`` of a ``[U, M, H]`` block (U experts in use, M = the
-    largest count rounded up to 8); rows of one token accumulate in ascending expert order."""
+def _moe_batched(x, ids, order, tok, wt, w1, w3, w2, limit, act):
+    """``moe_experts``' loop as batched matmuls. ``order``: the ``[T*k]`` slots sorted by expert
+    (stable), ``tok`` / ``wt`` their token and weight. Expert g's rows sit at ``[g, 0:c_g]`` of a
+    ``[U, M, H]`` block (U experts in use, M = the largest count rounded up to 8). Each token's k
+    results are then added in ascending expert order, the loop's order, without atomics."""
+    T, k = ids.shape
+    eid = ids.reshape(-1)[order]
     used, counts = torch.unique_consecutive(eid, return_counts=True)
     M = -(-int(counts.max()) // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE
     group = torch.repeat_interleave(torch.arange(used.shape[0], device=x.device), counts)
@@ -511,5 +519,10 @@ def _moe_batched(x, eid, tok, wt, out, w1, w3, w2, limit, act):
     if act is not None:
         h = act_quant(h, act)
     y = torch.bmm(h, w2[used].to(x.dtype).transpose(1, 2))[group, rank].float() * wt[:, None].float()
-    out.index_add_(0, tok, y)
+    per_slot = torch.empty_like(y)
+    per_slot[order] = y                                                  # back to [T*k] slot order
+    per_slot = per_slot.view(T, k, -1).gather(1, ids.argsort(dim=-1, stable=True)[..., None].expand(-1, -1, y.shape[1]))
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(k):
+        out += per_slot[:, j]
     return out.to(x.dtype)
