@@ -71,3 +71,17 @@ def test_mixed_batch_prefill_and_decode_rows(model):
                      model.forward_batch(chunk, [c2.sequence_state(2, 0)], [90]),
                      model.forward_batch(toks[1:], [c2.sequence_state(1, 300)], [1])])
     assert torch.equal(h, ref)
+
+
+def test_a_row_past_its_blocks_fails_instead_of_writing_elsewhere(model):
+    """A decode row whose table lacks the block its new entry goes to (an allocation bug in the
+    caller) raises, as the per-sequence path does; another request's entries stay untouched."""
+    V = model.args.vocab_size
+    c = PagedCache(model.args, CacheConfig(16, 2, {"c4": 64, "c128": 8}), torch.float32)
+    _prefill(model, c, [torch.randint(0, V, (600,)), torch.randint(0, V, (127,))])
+    c.seqs[1].tables["c128"] = []                       # position 127 closes HCA entry 0: no block for it
+    before = [t.clone() for t in c.cmp_kv.values()]
+    with pytest.raises((IndexError, RuntimeError)):
+        model.forward_batch(torch.tensor([5, 6]), [c.sequence_state(0, 600), c.sequence_state(1, 127)], [1, 1])
+    hca = [l for l in c.cmp_kv if model.args.compress_ratios[l] == 128]
+    assert all(torch.equal(c.cmp_kv[l], before[list(c.cmp_kv).index(l)]) for l in hca)

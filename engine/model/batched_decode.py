@@ -24,6 +24,7 @@ from engine.ops import reference
 from engine.ops.reference import _gemm, _topk_low_index, weighted_relu_sum
 
 
+NO_BLOCK = 1 << 40                    # block-table padding: past every pool
 PROFILE_LABEL = "decode_rows"         # torch.profiler label of one layer's batched decode attention
 
 
@@ -35,7 +36,7 @@ class DecodeRows:
     ``[B]`` int64 (the new token's position p) and ``pos`` the same as ints; slots ``[B]``: state
     slots; win_rows ``[B, W]``: ring pool rows of positions p-W+1 .. p (position < 0: any row,
     ``win_valid`` False); win_write ``[B]``: ring row of p; tables: per entry pool, block tables
-    ``[B, max blocks]`` int64 (zero padded).
+    ``[B, max blocks]`` int64 (padded with ``NO_BLOCK``).
     """
 
     cache: PagedCache
@@ -69,7 +70,10 @@ class DecodeRows:
         for p in ("c4", "c128"):
             width = max(len(h.tables.get(p, [])) for h in held)
             if width:
-                t = torch.zeros(len(pick), width, dtype=torch.long, device=dev)
+                # padding past a row's own blocks: an out-of-range block id, so a row reaching
+                # past what it holds (a caller's allocation bug) fails instead of writing into
+                # another request's block
+                t = torch.full((len(pick), width), NO_BLOCK, dtype=torch.long, device=dev)
                 for i, h in enumerate(held):
                     t[i, :len(h.tables[p])] = torch.tensor(h.tables[p], dtype=torch.long, device=dev)
                 tables[p] = t
