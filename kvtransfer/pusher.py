@@ -42,14 +42,19 @@ class _Track:
 
 class Pusher:
     """``put(kind, transfer_id, dest, frames)`` from the engine loop; ``results()`` drains outcomes.
+    ``notify()``, if given, is called (on a lane thread) after each outcome is queued, so the loop
+    can wait on its own poller and wake for it (the prefill worker passes ``Worker.wake``); it must
+    be cheap, thread-safe and must not raise.
 
     One lane (thread + ``StateSender``) per destination, so a destination that hangs (a decode
     host gone dark: a 10 s handshake, a send blocked on a full queue) delays only its own
     transfers. A lane idle for ``idle_s`` with nothing awaiting an ack closes its sender and ends.
     """
 
-    def __init__(self, make_sender: Callable[[], StateSender], ack_timeout_s: float = 60.0, idle_s: float = 60.0):
+    def __init__(self, make_sender: Callable[[], StateSender], ack_timeout_s: float = 60.0, idle_s: float = 60.0,
+                 notify: Callable[[], None] | None = None):
         self._make = make_sender
+        self._notify = notify
         self._results: queue.Queue = queue.Queue()
         self._timeout, self._idle_s = ack_timeout_s, idle_s
         self._stop = threading.Event()
@@ -73,6 +78,12 @@ class Pusher:
                 out.append(self._results.get_nowait())
             except queue.Empty:
                 return out
+
+    def _result(self, r: Result) -> None:
+        """A lane's outcome for the loop (any lane thread)."""
+        self._results.put(r)
+        if self._notify is not None:
+            self._notify()
 
     @property
     def num_lanes(self) -> int:
@@ -130,8 +141,8 @@ class _Lane:
                 for tid, t in list(track.items()):
                     if t.deadline is not None and t.deadline <= now:
                         del track[tid]
-                        p._results.put(Result("failed", tid, t.nbytes, now - t.t0, "timeout",
-                                              f"no acknowledgement within {p._timeout:g} s"))
+                        p._result(Result("failed", tid, t.nbytes, now - t.t0, "timeout",
+                                         f"no acknowledgement within {p._timeout:g} s"))
                 if not track and job is None and now - idle_since > p._idle_s and p._retire(self):
                     return
         except Exception as e:               # the sender could not even be made: fail what comes
@@ -142,7 +153,7 @@ class _Lane:
                 except queue.Empty:
                     break
                 if kind != "cancel":
-                    p._results.put(Result("failed", tid, 0, 0.0, "send", f"{type(e).__name__}: {e}"))
+                    p._result(Result("failed", tid, 0, 0.0, "send", f"{type(e).__name__}: {e}"))
             p._retire(self)
         finally:
             if sender is not None:
@@ -164,7 +175,7 @@ class _Lane:
             msg = f"{type(e).__name__}: {e}"
             cause = "handshake" if any(w in msg for w in ("refuse", "fingerprint", "layout", "handshake")) else "send"
             if kind != "cancel":
-                p._results.put(Result("failed", tid, t.nbytes, time.monotonic() - t.t0, cause, msg))
+                p._result(Result("failed", tid, t.nbytes, time.monotonic() - t.t0, cause, msg))
             return
         if kind in ("commit", "state"):
             t.deadline = time.monotonic() + p._timeout
@@ -183,7 +194,7 @@ def _reply_result(p: Pusher, msg: dict, track: dict) -> None:
         return
     secs = time.monotonic() - t.t0
     if msg.get("op") == "ack":
-        p._results.put(Result("acked", tid, t.nbytes, secs))
+        p._result(Result("acked", tid, t.nbytes, secs))
     else:
-        p._results.put(Result("failed", tid, t.nbytes, secs, str(msg.get("cause", "nack")),
-                              str(msg.get("reason", "refused by decode"))[:500]))
+        p._result(Result("failed", tid, t.nbytes, secs, str(msg.get("cause", "nack")),
+                         str(msg.get("reason", "refused by decode"))[:500]))

@@ -51,6 +51,7 @@ import os
 import tempfile
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import msgpack
@@ -300,6 +301,14 @@ class StateReceiver(ABC):
     """Decode side: receives complete messages on a background thread; the decode loop drains them."""
 
     address: str
+    _notify: Callable[[], None] | None = None
+
+    def set_notify(self, fn: Callable[[], None] | None) -> None:
+        """Call ``fn()`` after each delivered message (on the receiver's thread), so a loop that
+        waits on its own poller can wake at once instead of polling ``recv`` on a timer (the decode
+        worker passes ``Worker.wake``). ``fn`` must be cheap, thread-safe and must not raise; None
+        removes it."""
+        self._notify = fn
 
     @abstractmethod
     def recv(self, timeout_s: float = 0.0) -> list[tuple[str, list]]:

@@ -499,6 +499,9 @@ class ZmqStateReceiver(StateReceiver):
         with self._lock:
             self._stats["messages"] += 1
             self._stats["bytes"] += nbytes
+        notify = self._notify
+        if notify is not None:
+            notify()
 
     def _queue_out(self, rid: bytes, tag: bytes, payload: bytes) -> None:
         with self._lock:

@@ -38,6 +38,7 @@ class DecodeWorker(Worker):
                                       advertise_host=opts.advertise_host or opts.host, secret=opts.cluster_secret,
                                       receiver_id=f"decode-{self.instance_id}", **dist)
         self.state_addr = f"{self.receiver.address}#{self.receiver.receiver_id}"   # this process only
+        self.receiver.set_notify(self.wake)      # a state message wakes the loop (no polling timer)
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
@@ -45,6 +46,10 @@ class DecodeWorker(Worker):
 
     def extra_load(self) -> dict:
         return {"state_addr": self.state_addr, "queued": len(self.queued)}
+
+    def next_timer(self) -> float | None:
+        """The earliest lease end of a reservation whose state has not been committed."""
+        return min((p.deadline for p in self.table.pending.values()), default=None)
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
@@ -172,12 +177,12 @@ class DecodeWorker(Worker):
 
     # ---- state -----------------------------------------------------------------------------------
     def tick(self) -> None:
-        if self.queued:
-            self._admit_queued()
         for peer, frames in self.receiver.recv(0.0):
             self._on_state(peer, frames)
         for p in self.table.expired():                # retired: a late write is fenced
             self._fail(p.transfer_id, "timeout", "no committed state within the lease")
+        if self.queued:                               # last: after whatever freed room above
+            self._admit_queued()
 
     def _on_state(self, peer: str, frames: list) -> None:
         try:

@@ -80,7 +80,10 @@ def unpack_sampled(ids: list[int], lps: list | None) -> list[Sampled] | None:
 
 
 def check_ids(v, field: str) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    # set(map(type, ...)) runs in C: ~4x faster than a generator of isinstance checks, which adds
+    # up on the TTFT path for long prompts (both workers check). msgpack gives exact ints; a bool
+    # (type bool) or any other type fails.
+    if not isinstance(v, list) or not set(map(type, v)) <= {int}:
         raise MessageError(f"{field}: expected a list of ints")
     return v
 

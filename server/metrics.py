@@ -1,9 +1,9 @@
 """Prometheus metrics, vLLM's names and meanings under the prefix ``dsv4:`` (reference/peers.md A.7).
 
 Gateway (per request, as the client sees it): TTFT, ITL, TPOT, E2E latency, queue time, token and
-request counters. Workers (per engine): running / waiting requests, state-pool usage, and the
-KV-state transfer (bytes, latency, failures). Each process owns a ``CollectorRegistry`` so several
-apps in one process (tests) do not share counters.
+request counters. Workers (per engine): running / waiting requests, state-pool usage, prefill time
+(prefill worker), and the KV-state transfer (bytes, latency, failures). Each process owns a
+``CollectorRegistry`` so several apps in one process (tests) do not share counters.
 """
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ class WorkerMetrics:
             self._success.labels(*v, reason)
         self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduled (s)",
                                lbl, buckets=E2E_BUCKETS, registry=r).labels(*v)
+        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds",
+                                      "Per request: first scheduled to token #1 sampled, the prefill (s)", lbl,
+                                      buckets=TTFT_BUCKETS, registry=r).labels(*v)
         self.transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV-state bytes sent (prefill) / received "
                                       "(decode)", lbl, registry=r).labels(*v)
         self.transfer_time = Histogram(PREFIX + "kv_transfer_latency_seconds",

@@ -348,10 +348,12 @@ def _completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) -
             ids = tokenizer.encode(x, add_bos=req.add_special_tokens)
             echo = x
         else:
-            bad = next((t for t in x if not 0 <= t < vocab), None)
-            if bad is not None:
+            if x and not (0 <= min(x) and max(x) < vocab):
+                bad = next(t for t in x if not 0 <= t < vocab)
                 raise ApiError(f"{f}: token id {bad} is not in [0, {vocab})", 400, "prompt")
-            ids, echo = list(x), tokenizer.decode(x, skip_special_tokens=req.skip_special_tokens)
+            # the prompt's text only when it is echoed (detokenising 100k ids takes ~60 ms of TTFT)
+            ids = list(x)
+            echo = tokenizer.decode(x, skip_special_tokens=req.skip_special_tokens) if req.echo else ""
         if not ids:
             raise ApiError(f"{f}: must contain at least one token", 400, "prompt")
         out.append((ids, echo))

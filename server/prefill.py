@@ -47,7 +47,7 @@ class PrefillWorker(Worker):
         dist = {"device": str(engine.model.embed.weight.device)} if opts.transport == "dist" else {}
         self.pusher = Pusher(lambda: make_sender(opts.transport, self.fingerprint, self.layout,
                                                  f"prefill-{self.instance_id}", secret=opts.cluster_secret, **dist),
-                             opts.transfer_timeout_s)
+                             opts.transfer_timeout_s, notify=self.wake)   # an ack / failure wakes the loop
         engine.on_layer_final = self._on_layer_final
 
     # ---- requests ------------------------------------------------------------------------------
@@ -141,8 +141,11 @@ class PrefillWorker(Worker):
         self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
                                   "reason": reason.value if reason else None, "queue_s": out.queue_time_s})
         job.first_sent = True
+        seq = e.held.get(rid)
         e.release(rid)
         m = self.metrics
+        if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
+            m.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
         m.prompt_tokens.inc(job.num_tokens)
         m.generation_tokens.inc()
         if out.queue_time_s is not None:

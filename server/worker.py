@@ -2,7 +2,12 @@
 /ready, /metrics), the engine loop and the load report the gateway routes by.
 
 One thread runs the loop (requests in, one engine step, outputs out), as in nano-vllm / vLLM's
-engine core; the HTTP server runs on a daemon thread and only reads.
+engine core; the HTTP server runs on a daemon thread and only reads. While the engine has no work
+the loop blocks in one ``zmq.Poller`` on everything that can give it some: the request socket and a
+wake-up socket that the state receiver (decode: a state message arrived) and the state pusher
+(prefill: a transfer was acknowledged or failed) write to (``wake``). So nothing on a request's
+path waits for a timer; the poll timeout is only the next deadline (a sample's, a lease's, capped
+at ``idle_poll_ms``).
 
 Liveness towards the gateway is ZMTP heartbeats (``messages.set_heartbeat``), answered by
 libzmq's I/O thread even during a long step. ``begin_drain`` (SIGTERM) turns ``/ready`` false
@@ -48,7 +53,7 @@ class WorkerOptions:
     transport: str = "zmq-tcp"       # zmq-tcp | zmq-ipc | dist
     lease_s: float = 60.0            # decode: a reservation's state must be committed within this
     transfer_timeout_s: float = 60.0  # prefill: commit sent -> ack
-    idle_poll_ms: int = 2            # how long an idle loop waits for a message
+    idle_poll_ms: int = 50           # longest idle wait; messages and transfer events wake the loop at once
     max_queued: int = 1024           # decode: samples waiting for a reservation (then 429)
     model_name: str = "deepseek-v4"
     advertise_host: str | None = None  # decode: the host in the state address (None: ``host``)
@@ -91,8 +96,15 @@ class Worker:
         set_heartbeat(self.sock, opts.heartbeat_timeout_s)
         secure_server(self.sock, opts.cluster_secret)     # before bind; no-op without a secret
         self.sock.bind(f"tcp://{opts.host}:{opts.port}")
+        # a self-pipe: other threads (state receiver, pusher lanes), signal handlers and close()
+        # write a byte to wake the loop out of its poll
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self.iterations = 0              # loop iterations (tests: an idle loop does not spin)
         self.stop = threading.Event()
         self.ready = False
         self.draining = False
@@ -114,6 +126,10 @@ class Worker:
 
     def extra_load(self) -> dict:
         return {}
+
+    def next_timer(self) -> float | None:
+        """Monotonic time (s) of the subclass's next timed event (decode: a lease ends), or None."""
+        return None
 
     def busy(self) -> bool:
         """Samples in flight (drain waits for them)."""
@@ -151,6 +167,7 @@ class Worker:
             self._drain_deadline = time.monotonic() + (self.opts.drain_timeout_s if timeout_s is None else timeout_s)
             self.draining = True
             self.ready = False
+            self.wake()
             log.info("%s: draining (up to %g s)", self.role, self._drain_deadline - time.monotonic())
 
     def _bad_request(self, what: str) -> None:
@@ -162,6 +179,31 @@ class Worker:
             self._last_bad_log = now
 
     # ---- plumbing ------------------------------------------------------------------------------
+    def wake(self) -> None:
+        """Wake the loop out of its idle poll. Any thread, and signal handlers; never blocks."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:                  # buffer full (a wake is pending anyway) or closed
+            pass
+
+    def _clear_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:                  # drained (EAGAIN) or closed
+            pass
+
+    def _idle_timeout_ms(self) -> int:
+        """How long an idle loop may block: until the next deadline, at most ``idle_poll_ms``."""
+        t = self.next_timer()
+        if self._deadlines:
+            t = self._deadlines[0][0] if t is None else min(t, self._deadlines[0][0])
+        if self.draining:
+            t = self._drain_deadline if t is None else min(t, self._drain_deadline)
+        if t is None:
+            return self.opts.idle_poll_ms
+        return max(0, min(self.opts.idle_poll_ms, int((t - time.monotonic()) * 1000) + 1))
+
     def reply(self, identity: bytes, msg: dict) -> bool:
         """Send to a gateway connection; False (logged) if it is gone."""
         try:
@@ -220,10 +262,17 @@ class Worker:
         """The loop: requests, role work, one engine step, outputs. Returns when ``stop`` is set."""
         self.ready = not self.draining
         last_gauges = 0.0
+        stepped = False
         try:
             while not self.stop.is_set():
-                busy = self.engine.has_unfinished()
-                if self.poller.poll(0 if busy else self.opts.idle_poll_ms):
+                self.iterations += 1
+                # after a step, look again at once: it may have freed room (decode admits queued
+                # samples in ``tick``) or ended the last sample of a drain
+                busy = stepped or self.engine.has_unfinished()
+                events = dict(self.poller.poll(0 if busy else self._idle_timeout_ms()))
+                if self._wake_r in events or self._wake_r.fileno() in events:
+                    self._clear_wake()
+                if self.sock in events:
                     self._drain_requests()
                 if self._deadlines:
                     self._expire()
@@ -236,7 +285,8 @@ class Worker:
                     time.sleep(0.3)
                     log.info("%s: drained", self.role)
                     return
-                if self.engine.has_unfinished():
+                stepped = self.engine.has_unfinished()
+                if stepped:
                     self.on_outputs(self.engine.step())
                 now = time.monotonic()
                 if now - last_gauges > 0.1:
@@ -296,8 +346,11 @@ class Worker:
 
     def close(self) -> None:
         self.stop.set()
+        self.wake()
         if self._http is not None:
             self._http.should_exit = True
         self.sock.close(linger=1000)
         stop_authenticator(self.ctx)
         self.ctx.term()                  # waits (<= linger) until the last replies are sent
+        self._wake_r.close()
+        self._wake_w.close()

@@ -15,8 +15,8 @@ import zmq
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
-from kvtransfer.transport import make_sender
-from kvtransfer.wire import encode_layer
+from kvtransfer.transport import make_receiver, make_sender
+from kvtransfer.wire import decode_header, encode_commit, encode_layer
 from server.backend import BackendError, GenRequest
 from server.launcher import free_port
 from server.decode import DecodeWorker
@@ -270,3 +270,72 @@ def test_bad_destination_fails_that_sample_only(pd, reference):
     req = GenRequest(f"ok-{uuid.uuid4().hex}", prompt, params)
     assert asyncio.run(_collect(pd.backend(), [req]))[0] == reference.generate([prompt], params)[0].output_ids
     assert pd.prefill.engine.num_free_blocks() == pd.prefill.engine.num_total_blocks()
+
+
+def test_idle_loops_wake_on_messages_not_a_timer(ckpt, reference):
+    """With an idle poll of 60 s, both workers still act at once: an idle loop blocks on its sockets
+    and is woken by what arrives, the state receiver (decode: layers + commit, no request message)
+    or the pusher (prefill: decode's answer to a transfer), never by a timer; idle, it does not spin."""
+    opts = {"http_port": 0, "idle_poll_ms": 60_000}
+    dec = DecodeWorker(_engine(ckpt), WorkerOptions(port=free_port(), state_port=free_port(), **opts))
+    pre = PrefillWorker(_engine(ckpt), WorkerOptions(port=free_port(), **opts))
+    threads = [threading.Thread(target=w.run, daemon=True) for w in (dec, pre)]
+    for t in threads:
+        t.start()
+    gw_d, gw_p = _Gateway(dec.opts.port), _Gateway(pre.opts.port)
+    sender = make_sender("zmq-tcp", dec.fingerprint, dec.layout, "test-prefill-wake")
+    rx = make_receiver("zmq-tcp", "127.0.0.1", 0, pre.fingerprint, pre.layout)
+    try:
+        time.sleep(0.5)
+        start = (dec.iterations, pre.iterations)
+        time.sleep(1.0)
+        assert dec.iterations - start[0] <= 2 and pre.iterations - start[1] <= 2     # blocked, not polling
+
+        # decode: reserved, then only the state arrives; the receiver wakes the loop, which commits
+        # and decodes (a timer-driven loop would sit in its 60 s poll)
+        prompt = _prompts([70], seed=11)[0]
+        params = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1)
+        want = reference.generate([prompt], [params])[0].output_ids
+        gw_d.send({"op": "reserve", "rid": "wake-1", "prompt_ids": prompt, "params": params_to_dict(params)})
+        gw_d.recv(op="reserved")
+        state = _state(reference, prompt)
+        num_layers = len(dec.engine.model.layers)
+        time.sleep(0.2)                                                # idle again
+        for layer in range(num_layers):
+            part = {k: v for k, v in state.items() if k.startswith(f"layers.{layer}.")}
+            sender.send(dec.state_addr, encode_layer("wake-1", dec.fingerprint, len(prompt), layer, part))
+        sender.send(dec.state_addr, encode_commit("wake-1", dec.fingerprint, len(prompt), want[0], num_layers))
+        ids, done = [], False
+        while not done:
+            for item in gw_d.recv(op="out", timeout_s=10)["items"]:
+                ids += item["ids"]
+                done = done or item["done"]
+        assert ids == want[1:]
+
+        # prefill: decode's nack comes while the loop is idle again; the pusher wakes it and the
+        # sample's error reaches the gateway at once
+        gw_p.send({"op": "prefill", "rid": "wake-2", "prompt_ids": prompt, "params": params_to_dict(params),
+                   "dest": f"{rx.address}#{rx.receiver_id}"})
+        assert gw_p.recv(op="first")["id"] == want[0]
+        peer, end = None, time.monotonic() + 10
+        while peer is None and time.monotonic() < end:
+            for p, frames in rx.recv(0.1):
+                if decode_header(frames[0])["kind"] == "commit":
+                    peer = p
+        assert peer is not None
+        time.sleep(0.3)
+        rx.reply(peer, {"op": "nack", "transfer_id": "wake-2", "cause": "checksum", "reason": "test nack"})
+        err = gw_p.recv(op="error", timeout_s=10)
+        assert err["rid"] == "wake-2" and err["status"] == 502 and "checksum" in err["message"]
+    finally:
+        for w in (dec, pre):
+            w.stop.set()
+            w.wake()
+        for t in threads:
+            t.join(10)
+        sender.close()
+        rx.close()
+        gw_d.close()
+        gw_p.close()
+        dec.close()
+        pre.close()

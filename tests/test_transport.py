@@ -528,3 +528,50 @@ def test_pusher_lanes_keep_a_dead_destination_from_stalling_the_others(net):
     finally:
         pusher.close()
         black_hole.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receiver_notifies_on_each_delivery(net, kind):
+    """``set_notify``: called on the receiver's thread once per delivered message, after the message
+    is queued (so a loop woken by it finds the message with a non-blocking ``recv``)."""
+    rx = net.rx(kind)
+    calls = []
+    woken = threading.Event()
+
+    def notify():
+        calls.append(threading.current_thread().name)
+        woken.set()
+    rx.set_notify(notify)
+    tx = net.tx(kind)
+    for i in (1, 2):
+        woken.clear()
+        tx.send(rx.address, _msg(f"n-{i}", i))
+        assert woken.wait(20)
+        assert len(rx.recv(0.0)) == 1 and len(calls) == i
+    assert threading.current_thread().name not in calls
+    rx.set_notify(None)
+    tx.send(rx.address, _msg("n-3", 3))
+    assert _recv_n(rx, 1) and len(calls) == 2
+
+
+def test_pusher_notifies_each_result(net):
+    """``Pusher(notify=...)``: an acknowledgement (or failure) of a transfer calls it, so the
+    prefill loop wakes for it instead of polling on a timer."""
+    from kvtransfer.pusher import Pusher
+    rx = net.rx("zmq-tcp")
+    woken = threading.Event()
+    pusher = Pusher(lambda: make_sender("zmq-tcp", FP, LAYOUT, "prefill-notify"), ack_timeout_s=30,
+                    notify=woken.set)
+    try:
+        pusher.put("state", "p-1", rx.address, encode_state("p-1", FP, 3, 0, _tensors(1)))
+        peer, _ = _recv_n(rx, 1)[0]
+        assert not woken.is_set() and pusher.results() == []
+        rx.reply(peer, {"op": "ack", "transfer_id": "p-1"})
+        assert woken.wait(10)
+        assert [r.kind for r in pusher.results()] == ["acked"]
+        woken.clear()
+        pusher.put("state", "p-2", "garbage", encode_state("p-2", FP, 3, 0, _tensors(2)))   # fails at once
+        assert woken.wait(10)
+        assert [(r.transfer_id, r.kind) for r in pusher.results()] == [("p-2", "failed")]
+    finally:
+        pusher.close()
