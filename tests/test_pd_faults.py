@@ -14,10 +14,13 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 from openai import OpenAI
 
+from engine.build import build_engine
+from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
-from pd_util import start_pd, wait_idle
+from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
 from server.launcher import log_tail
 
@@ -25,13 +28,34 @@ WORKER_TIMEOUT_S = 2.0
 WORKERS = ("prefill0", "prefill1", "decode0", "decode1")
 
 
+# long enough that one prefill outlasts the gateway noticing a stopped decode (~2-2.5 s at a 2 s
+# worker timeout), however fast the engine gets
+LONG_PROMPT = 10000
+
+
 @pytest.fixture(scope="module")
-def cluster(ckpt, tmp_path_factory):
+def faults_config(tmp_path_factory) -> str:
+    """configs/tiny-flash.yaml with room for a ``LONG_PROMPT``-token request."""
+    raw = yaml.safe_load(open(CONFIG))
+    raw["scheduler_config"]["max_model_len"] = LONG_PROMPT + 256
+    path = tmp_path_factory.mktemp("faults-config") / "tiny-flash-long.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, tmp_path_factory, faults_config):
     flags = ["--worker-timeout-s", str(WORKER_TIMEOUT_S), "--cpu-threads", "1", "--transfer-timeout-s", "5",
              "--lease-s", "10"]
-    pd = start_pd(ckpt, tmp_path_factory.mktemp("faults") / "pd.log", 2, 2, flags)
+    pd = start_pd(ckpt, tmp_path_factory.mktemp("faults") / "pd.log", 2, 2, flags, config=faults_config)
     yield pd
     pd.stop()
+
+
+@pytest.fixture(scope="module")
+def long_reference(ckpt, faults_config):
+    """The in-process engine on the cluster's config (the conftest one stops at 4096 tokens)."""
+    return build_engine(RunConfig.from_yaml(faults_config), ckpt, progress=False)
 
 
 def _client(pd) -> OpenAI:
@@ -213,12 +237,12 @@ def test_stopped_decode_times_out_then_recovers_after_sigcont(cluster, reference
         assert _complete(cluster, prompt, 5, seed) == _expected(reference, prompt, 5, seed)
 
 
-def test_decode_stopped_while_holding_a_reservation(cluster, reference):
+def test_decode_stopped_while_holding_a_reservation(cluster, long_reference):
     """SIGSTOP on the decode whose reservation prefill is filling: the gateway loses it within
     --worker-timeout-s and retries on the other decode (exact tokens); prefill's transfer to the
     stopped one is abandoned and freed; after SIGCONT the stopped one frees its stale reservation
     (lease / gone gateway connection) and serves again."""
-    prompt = _prompt(4000, 9)
+    prompt = _prompt(LONG_PROMPT, 9)
     for _ in range(3):
         _wait_all_healthy(cluster)
         first_token = threading.Event()        # token #1 comes from prefill while decode still holds
@@ -244,7 +268,7 @@ def test_decode_stopped_while_holding_a_reservation(cluster, reference):
                     raise
                 got = None
             if got is not None:
-                assert got == _expected(reference, prompt, 4, 15)
+                assert got == _expected(long_reference, prompt, 4, 15)
                 _wait_idle(cluster, ["prefill0", "prefill1", "decode0" if victim == "decode1" else "decode1"])
         finally:
             cluster.signal(victim, signal.SIGCONT)
