@@ -320,6 +320,9 @@ def test_reply_and_poll_replies_round_trip(net, kind):
     assert len(got) == 100
     for k in range(4):
         assert [m["i"] for _, m in got if m["k"] == k] == list(range(25))
+    deadline = time.monotonic() + 5        # counted by the socket thread just after each send
+    while rx.stats["replies"] < 101 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert rx.stats["replies"] == 101
 
 
