@@ -335,7 +335,8 @@ def test_fuzzed_frames_leave_an_unsecured_receiver_alive_bounded_and_serving(net
     for i, s in enumerate(squatters):
         s.send_multipart([TAG_CTL, _hello(f"squatter-{i}")])
     answers = [msgpack.unpackb(s.recv_multipart()[1]) if s.poll(5000) else None for s in squatters]
-    assert None not in answers and "too many prefill peers" in answers[-1]["reason"]
+    # the receiver takes hellos in arrival order, which need not be the send order: count refusals
+    assert None not in answers and any("too many prefill peers" in a.get("reason", "") for a in answers)
     assert rx.stats["peers"] == 8
 
     for s in socks + [big] + squatters:   # all vanish without a bye: their entries must not lock others out
