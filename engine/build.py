@@ -57,13 +57,31 @@ def check_platform_version(cfg: RunConfig, found: str | None) -> None:
             raise ConfigError(f"model_config.custom_params.{name}: A3 only, but the device is {version!r}")
 
 
+# published deployment minimums (chips) per Ascend generation for the full-size models
+# (reference/upstream-baseline.md; issue 9): A3 Flash INT8 4, Pro INT8-INT4 32; 950PR/DT Flash 4, Pro 16
+MIN_RANKS = {("A3", 4096): 4, ("A3", 7168): 32, ("950", 4096): 4, ("950", 7168): 16}
+_MODEL_NAMES = {4096: "DeepSeek-V4-Flash", 7168: "DeepSeek-V4-Pro"}
+
+
+def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> None:
+    """A full-size Flash / Pro (by hidden_size) on an Ascend generation needs at least its published
+    number of ranks. Raises ConfigError naming ``parallel_config.world_size``."""
+    need = MIN_RANKS.get((version or "A3", args.hidden_size))
+    got = cfg.parallel_config.world_size
+    if need is not None and got < need:
+        raise ConfigError(f"parallel_config.world_size: {_MODEL_NAMES[args.hidden_size]} on {version or 'A3'} "
+                          f"needs at least {need} ranks (the published deployment minimum), got {got}")
+
+
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
-                 progress: bool = True, graph: bool = True) -> LLMEngine:
+                 progress: bool = True, graph: bool = True, rank: int = 0) -> LLMEngine:
     """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
     from ``scheduler_config``; with a graph ``exe_mode`` (and ``graph``: False for a prefill-only
     worker, which always runs eager) compile / capture the decode step now.
 
     ``device``: a spec for ``engine.platform.detect`` ("cpu", "cuda:0", "npu:0", "auto").
+    ``rank``: with ``parallel_config.world_size`` > 1, this process's rank; torch.distributed must
+    be initialised: the model is sharded for it (``engine.parallel.shard.apply_parallel``).
     Raises:
         ConfigError: no model path, a checkpoint / config combination the run config forbids, or
             state pools too small for ``max_model_len``. CheckpointError: unreadable checkpoint.
@@ -81,6 +99,15 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
                        ops=ops_for(plat.kind, cp.kernel_config), progress=progress)
     cfg.check_model(model.args)
+    if plat.kind == "npu":
+        check_min_ranks(cfg, model.args, cfg.model_config.platform_version or plat.platform_version)
+    pc = cfg.parallel_config
+    if pc.world_size > 1:
+        if ex.graph:
+            raise ConfigError(f"model_config.exe_mode: a multi-rank instance (world_size {pc.world_size}) runs "
+                              f"eager for now, got {cfg.model_config.exe_mode!r}")
+        from engine.parallel.shard import apply_parallel
+        apply_parallel(model, pc, rank)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
     engine = _size(cfg, model, path)
     if graph and ex.graph:

@@ -1,0 +1,196 @@
+"""Multi-rank execution of one instance: the leader schedules, the followers replay.
+
+The leader (rank 0) runs the whole ``LLMEngine``: scheduler, sampler, block manager. Its state
+pools are replicated on every rank (attention runs on the same rows everywhere; experts, the
+embedding, the LM head and o_proj are sharded, ``engine.parallel.shard``), so the followers only
+need, in order, the cache calls that change the pools (allocate, free, a loaded state) and the
+model calls that carry collectives (forward, logits, context-parallel prefill). ``Mirror`` hooks
+those calls on the leader and sends each as one step message (``link.LeaderLink``) before running
+it; ``follow`` replays them on a follower. The block manager is deterministic, so replaying the
+same allocate / free sequence gives every rank the same block tables (vLLM's multiproc executor
+broadcasts its scheduler output the same way).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def cache_layout(engine) -> dict:
+    """What every rank's state pools must agree on (exchanged in the hello)."""
+    c = engine.cache.config
+    return {"block_size": c.block_size, "max_seqs": c.max_seqs, "num_blocks": dict(sorted(c.num_blocks.items())),
+            "next_n": c.next_n, "dtype": str(engine.model.dtype)}
+
+
+class Mirror:
+    """Leader side: hooks ``engine``'s cache and model so each call reaches the followers first.
+
+    ``cp_prefill``: a context-parallel prefill function (``engine.parallel.cp.cp_prefill``) used
+    for a batch that is one whole prompt of at least ``cp_min_tokens`` tokens; None: never.
+    """
+
+    def __init__(self, engine, link: LeaderLink, cp_prefill=None, cp_min_tokens: int = 1024):
+        self.engine, self.link = engine, link
+        self.cp_prefill, self.cp_min_tokens = cp_prefill, cp_min_tokens
+        self.pending: list = []             # cache calls not yet sent: [op, args..., frame count]
+        self.frames: list[bytes] = []
+        self.cp_runs = 0
+        cache, model = engine.cache, engine.model
+        alloc, free, load = cache.allocate, cache.free, engine.load_state
+        fwd, logits = model.forward_batch, model.logits
+
+        def allocate(seq_id, num_tokens):
+            held = alloc(seq_id, num_tokens)
+            self.pending.append(["alloc", seq_id, num_tokens])
+            return held
+
+        def free_(seq_id):
+            free(seq_id)
+            self.pending.append(["free", seq_id])
+
+        def load_state(request_id, tensors, layers=None):
+            load(request_id, tensors, layers)
+            metas = []
+            for name, t in tensors.items():
+                meta, buf = encode(t)
+                metas.append([name, *meta])
+                self.frames.append(buf)
+            self.pending.append(["load", request_id, len(engine.reserved[request_id].prompt_ids), metas, layers])
+
+        def forward_batch(tokens, states, lengths, layer_hook=None):
+            seqs = self._seq_ids(states)
+            if self._use_cp(states, lengths):
+                return self._cp(tokens, seqs[0], layer_hook)
+            meta, buf = encode(tokens)
+            self._send({"op": "forward", "seqs": seqs, "nums": [st.num_tokens for st in states],
+                        "lengths": list(lengths), "tokens": meta}, [buf])
+            return fwd(tokens, states, lengths, layer_hook=layer_hook)
+
+        def logits_(hidden):
+            meta, buf = encode(hidden)
+            self._send({"op": "logits", "hidden": meta}, [buf])
+            return logits(hidden)
+
+        self._fwd, self._logits = fwd, logits
+        cache.allocate, cache.free, engine.load_state = allocate, free_, load_state
+        model.forward_batch, model.logits = forward_batch, logits_
+
+    def _seq_ids(self, states) -> list:
+        by_held = {id(h): sid for sid, h in self.engine.cache.seqs.items()}
+        return [by_held[id(st.held)] for st in states]
+
+    def _send(self, header: dict, frames: list[bytes]) -> None:
+        header["cache"], frames = self.pending, self.frames + frames
+        self.pending, self.frames = [], []
+        self.link.send(header, frames)
+
+    def _use_cp(self, states, lengths) -> bool:
+        return (self.cp_prefill is not None and len(states) == 1 and states[0].num_tokens == 0
+                and lengths[0] >= self.cp_min_tokens)
+
+    def _cp(self, tokens: torch.Tensor, seq_id, layer_hook) -> torch.Tensor:
+        """A whole prompt through context-parallel prefill; its state lands in every rank's pools.
+        Returns ``[L, H]`` with only the last row computed (the engine reads only that one)."""
+        meta, buf = encode(tokens)
+        self._send({"op": "cp", "seq": seq_id, "tokens": meta}, [buf])
+        last = run_cp(self.engine, self.cp_prefill, tokens, seq_id)
+        self.cp_runs += 1
+        if layer_hook is not None:
+            for i in range(len(self.engine.model.layers)):
+                layer_hook(i)
+        hidden = last.new_zeros(tokens.shape[0], last.shape[-1])
+        hidden[-1] = last[-1]
+        return hidden
+
+    def stop(self) -> None:
+        """Tell the followers to exit (best effort)."""
+        try:
+            self._send({"op": "stop"}, [])
+        except Exception:                 # noqa: BLE001 - they may be gone already
+            pass
+
+
+def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
+    """A contiguous ``SequenceState`` after ``num_tokens`` tokens as ``cache.state_tensors`` names
+    (what ``load_state_tensors`` writes into paged pools; reference §4)."""
+    out = {}
+    for l, layer in enumerate(st.layers):
+        W = layer.win_kv.shape[0]
+        n = min(num_tokens, W - 1)
+        out[f"layers.{l}.win_kv"] = layer.win_kv[torch.arange(num_tokens - n, num_tokens) % W].clone()
+        for name in ("cmp_kv", "idx_kv"):
+            buf = getattr(layer, name)
+            if buf is not None:
+                out[f"layers.{l}.{name}"] = buf.view().clone()
+        for name in ("comp", "idx_comp"):
+            comp = getattr(layer, name)
+            if comp is None:
+                continue
+            m = comp.kv.shape[0]
+            out[f"layers.{l}.{name}.kv"] = comp.kv[: num_tokens % m].clone()
+            out[f"layers.{l}.{name}.score"] = comp.score[: num_tokens % m].clone()
+            if comp.prev_kv is not None and num_tokens >= m:
+                out[f"layers.{l}.{name}.prev_kv"] = comp.prev_kv.clone()
+                out[f"layers.{l}.{name}.prev_score"] = comp.prev_score.clone()
+    return out
+
+
+def run_cp(engine, cp_prefill, tokens: torch.Tensor, seq_id) -> torch.Tensor:
+    """Every rank: CP prefill of ``tokens`` (a whole prompt), then write the full state into this
+    rank's pools for ``seq_id`` (already allocated). Returns the last hidden row ``[1, H]``."""
+    from engine.cache import load_state_tensors
+    last, state = cp_prefill(engine.model, tokens, gather_hidden=False)
+    n = tokens.shape[0]
+    load_state_tensors(engine.cache, seq_id, n, sequence_state_tensors(state, n))
+    return last
+
+
+def follow(engine, link: FollowerLink, cp_prefill=None) -> None:
+    """A follower's loop: replay the leader's step messages until ``stop``.
+
+    A ValueError from the model is the leader's too (same inputs, raised before any collective):
+    logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
+    which takes the instance out of routing (the leader sees the connection close).
+    """
+    from engine.cache import load_state_tensors
+    cache, model = engine.cache, engine.model
+    while True:
+        head, frames = link.recv()
+        try:
+            k = 0
+            for op in head.get("cache", ()):
+                if op[0] == "alloc":
+                    cache.allocate(op[1], op[2])
+                elif op[0] == "free":
+                    cache.free(op[1])
+                elif op[0] == "load":
+                    _, rid, n, metas, layers = op
+                    tensors = {}
+                    for name, *meta in metas:
+                        tensors[name] = decode(meta, frames[k])
+                        k += 1
+                    load_state_tensors(cache, rid, n, tensors, layers)
+            kind = head["op"]
+            if kind == "forward":
+                tokens = decode(head["tokens"], frames[k])
+                states = [cache.sequence_state(s, n) for s, n in zip(head["seqs"], head["nums"])]
+                try:
+                    model.forward_batch(tokens, states, head["lengths"])
+                except ValueError as e:
+                    log.warning("forward refused on every rank: %s", e)
+            elif kind == "logits":
+                model.logits(decode(head["hidden"], frames[k]))
+            elif kind == "cp":
+                run_cp(engine, cp_prefill, decode(head["tokens"], frames[k]), head["seq"])
+            elif kind == "stop":
+                return
+        except Exception:                 # noqa: BLE001 - out of step with the leader: leave
+            log.exception("follower out of step with the leader; exiting")
+            os._exit(1)

@@ -1,0 +1,201 @@
+"""Multi-rank plumbing without collectives: rank settings, the step channel, and the follower's
+replay keeping its state pools equal to the leader's (engine.parallel.mirror)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.build import build_engine, check_min_ranks
+from engine.cache import state_tensors
+from engine.config import ConfigError
+from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
+from engine.parallel.mirror import Mirror, cache_layout, follow, sequence_state_tensors
+from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
+from engine.sampling import SamplingParams
+from server.launcher import free_port
+from server.ranks import RankError, rank_env
+
+CONFIG = "configs/tiny-flash.yaml"
+
+
+# ---- rank settings -------------------------------------------------------------------------------
+def test_rank_env_from_torchrun_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29600"}
+    r = rank_env(4, environ=env)
+    assert (r.rank, r.world_size, r.local_rank, r.master_addr, r.master_port, r.rank_port, r.spawn) == \
+        (3, 4, 1, "10.0.0.1", 29600, 29601, ())
+    assert not r.leader
+
+
+def test_rank_env_from_launch_flags_spawns_the_node_ranks():
+    r = rank_env(4, environ={})
+    assert (r.rank, r.spawn, r.master_addr, r.master_port) == (0, (1, 2, 3), "127.0.0.1", 29500)
+    r = rank_env(8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=4000, environ={})
+    assert (r.rank, r.spawn, r.rank_port) == (4, (5, 6, 7), 4001)
+
+
+@pytest.mark.parametrize("kw, env, msg", [
+    ({}, {"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE: 2, but parallel_config.world_size is 4"),
+    ({}, {"RANK": "4", "WORLD_SIZE": "4"}, "RANK: 4 must be < WORLD_SIZE (4)"),
+    ({}, {"RANK": "x", "WORLD_SIZE": "4"}, "RANK: 'x' is not an integer"),
+    ({"nnodes": 3}, {}, "--nnodes 3 x --nproc-per-node 1 must equal parallel_config.world_size (4)"),
+    ({"nnodes": 2, "node_rank": 2}, {}, "--node-rank: 2 must be in [0, 1]"),
+    ({"master_port": 70000}, {}, "--master-port / MASTER_PORT: 70000 must be in [1, 65534]"),
+])
+def test_rank_env_errors_name_the_setting(kw, env, msg):
+    with pytest.raises(RankError) as e:
+        rank_env(4, environ=env, **kw)
+    assert msg in str(e.value)
+
+
+def test_platform_minimums_name_world_size():
+    args = type("A", (), {"hidden_size": 7168})()
+    cfg = RunConfig(parallel_config=ParallelConfig(world_size=16), scheduler_config=SchedulerConfig(batch_size=16))
+    check_min_ranks(cfg, args, "950")                       # Pro on 950: 16 is enough
+    with pytest.raises(ConfigError, match=r"parallel_config.world_size: DeepSeek-V4-Pro on A3 needs at least 32"):
+        check_min_ranks(cfg, args, "A3")
+    args.hidden_size = 4096
+    with pytest.raises(ConfigError, match="DeepSeek-V4-Flash on 950 needs at least 4 ranks"):
+        check_min_ranks(RunConfig(), args, "950")
+    args.hidden_size = 256                                  # the tiny models: no minimum
+    check_min_ranks(RunConfig(), args, "A3")
+
+
+# ---- the step channel ----------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [torch.randn(3, 5), torch.randn(2, 4).to(torch.bfloat16),
+                               torch.arange(7), torch.empty(0, 9)])
+def test_tensor_frames_round_trip(t):
+    meta, buf = encode(t)
+    back = decode(meta, buf)
+    assert back.dtype == t.dtype and torch.equal(back, t)
+    with pytest.raises(LinkError, match="bytes, expected"):
+        decode(meta, buf + b"x")
+    with pytest.raises(LinkError, match="is not a torch dtype"):
+        decode(["Tensor", [1]], b"")
+
+
+def test_leader_refuses_a_follower_with_another_layout():
+    port = free_port()
+    leader = LeaderLink("127.0.0.1", port, 2)
+    out = {}
+
+    def follower():
+        try:
+            FollowerLink("127.0.0.1", port, 1, {"block_size": 64}, startup_s=3)
+        except LinkError as e:
+            out["follower"] = str(e)
+    th = threading.Thread(target=follower)
+    th.start()
+    with pytest.raises(LinkError, match=r"rank 1: its layout \{'block_size': 64\} differs from the leader's"):
+        leader.wait_followers({"block_size": 128}, startup_s=10)
+    th.join()
+    assert "no welcome" in out["follower"]
+    with pytest.raises(LinkError, match=r"ranks \[1\] did not connect within 0.2 s"):
+        leader.wait_followers({}, startup_s=0.2)
+    leader.close()
+
+
+# ---- replay -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(ckpt):
+    """A leader engine with a Mirror and a follower engine replaying it on a thread (world 1
+    models: no collectives, so this checks the replay alone)."""
+    cfg = RunConfig.from_yaml(CONFIG)
+    leader, follower = (build_engine(cfg, ckpt, progress=False) for _ in range(2))
+    port = free_port()
+    link = LeaderLink("127.0.0.1", port, 2)
+    box = {}
+    th = threading.Thread(target=lambda: box.update(link=FollowerLink("127.0.0.1", port, 1, cache_layout(follower))))
+    th.start()
+    link.wait_followers(cache_layout(leader), startup_s=30)
+    th.join()
+    mirror = Mirror(leader, link)
+    runner = threading.Thread(target=follow, args=(follower, box["link"]), daemon=True)
+    runner.start()
+    yield leader, follower, mirror
+    mirror.stop()
+    runner.join(10)
+    link.close()
+    box["link"].close()
+
+
+def _sync(mirror):
+    """Flush pending cache calls with a logits call (the follower applies them in order)."""
+    mirror.engine.model.logits(torch.zeros(1, mirror.engine.model.args.hidden_size))
+
+
+def _pools_equal(a, b):
+    for name in ("win",):
+        for x, y in zip(getattr(a, name), getattr(b, name)):
+            assert torch.equal(x, y)
+    for name in ("cmp_kv", "idx_kv"):
+        for l in getattr(a, name):
+            assert torch.equal(getattr(a, name)[l], getattr(b, name)[l])
+    for name in ("comp", "idx_comp"):
+        for l in getattr(a, name):
+            for x, y in zip(getattr(a, name)[l], getattr(b, name)[l]):
+                assert torch.equal(x, y)
+    assert {k: v.state_slot for k, v in a.seqs.items()} == {k: v.state_slot for k, v in b.seqs.items()}
+    assert {k: v.tables for k, v in a.seqs.items()} == {k: v.tables for k, v in b.seqs.items()}
+    assert a.num_free() == b.num_free()
+
+
+def test_follower_pools_equal_the_leaders_through_prefill_decode_and_frees(pair):
+    leader, follower, mirror = pair
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, 60000, (n,), generator=gen).tolist() for n in (300, 40, 129)]
+    for i, p in enumerate(prompts):
+        leader.add_request(f"r{i}", p, SamplingParams(max_new_tokens=6, temperature=0.8, seed=i, ignore_eos=True))
+        leader.step()
+    held = SamplingParams(max_new_tokens=1, seed=5, ignore_eos=True)
+    leader.add_request("held", prompts[0][:200], held, hold_state=True)
+    while leader.has_unfinished():
+        leader.step()
+        _sync(mirror)
+        _pools_equal(leader.cache, follower.cache)
+    leader.release("held")
+    _sync(mirror)
+    _pools_equal(leader.cache, follower.cache)
+    assert leader.num_free_blocks() == leader.num_total_blocks()
+
+
+def test_follower_replays_an_imported_state(pair, reference):
+    leader, follower, mirror = pair
+    prompt = torch.randint(1000, 60000, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=5, temperature=0.0, seed=1, ignore_eos=True)
+    reference.add_request("x", prompt, SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True), hold_state=True)
+    while reference.has_unfinished():
+        out = reference.step()
+    seq, tensors = reference.export_state("x")
+    reference.release("x")
+    leader.reserve("imp", prompt, params)
+    leader.load_state("imp", tensors)
+    leader.commit("imp", seq.output_ids[0])
+    _sync(mirror)
+    assert set(state_tensors(follower.cache, "imp", 150)) == set(tensors)
+    for k, v in state_tensors(follower.cache, "imp", 150).items():
+        assert torch.equal(v, tensors[k]), k
+    while leader.has_unfinished():
+        leader.step()
+    _sync(mirror)
+    _pools_equal(leader.cache, follower.cache)
+    assert out
+
+
+def test_sequence_state_tensors_equal_the_paged_ones(reference):
+    m = reference.model
+    prompt = torch.randint(1000, 60000, (301,), generator=torch.Generator().manual_seed(4))
+    st = m.new_state()
+    m.forward(prompt, st)
+    reference.add_request("y", prompt.tolist(), SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True),
+                          hold_state=True)
+    while reference.has_unfinished():
+        reference.step()
+    _, paged = reference.export_state("y")
+    reference.release("y")
+    mine = sequence_state_tensors(st, 301)
+    assert set(mine) == set(paged)
+    for k in paged:
+        torch.testing.assert_close(mine[k], paged[k], rtol=0, atol=0, msg=k)
