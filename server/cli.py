@@ -92,6 +92,19 @@ def parser() -> argparse.ArgumentParser:
                         "prefill and decode then uses CURVE and refuses peers without it, and worker HTTP "
                         "endpoints need 'Authorization: Bearer <secret>'")
     p.add_argument("--log-level", default=os.environ.get("DSV4_LOG_LEVEL", "INFO"))
+    r = p.add_argument_group("multi-rank instances (parallel_config.world_size > 1; torchrun's RANK / "
+                             "WORLD_SIZE / MASTER_ADDR / MASTER_PORT environment wins over these)")
+    r.add_argument("--nnodes", default=os.environ.get("NNODES", 1), help="nodes of this instance (env NNODES)")
+    r.add_argument("--node-rank", default=os.environ.get("NODE_RANK", 0),
+                   help="this node's index; node 0 holds the leader (env NODE_RANK)")
+    r.add_argument("--nproc-per-node", type=int, help="ranks started on this node (default world_size / nnodes)")
+    r.add_argument("--master-addr", help="leader node address (default MASTER_ADDR, else 127.0.0.1)")
+    r.add_argument("--master-port", type=int, help="torch.distributed rendezvous port (default MASTER_PORT, else 29500)")
+    r.add_argument("--rank-port", type=int, help="leader's step channel port (default master port + 1)")
+    r.add_argument("--rank-timeout-s", type=float, default=5.0,
+                   help="a rank silent this long (heartbeats) is lost: the instance leaves routing and exits")
+    r.add_argument("--dist-timeout-s", type=float, default=300.0,
+                   help="longest wait (s) in one collective, and for the ranks to start")
     return p
 
 
@@ -174,11 +187,20 @@ def run_worker(args) -> int:
         torch.set_num_threads(args.cpu_threads)
     platform = _platform(args.device)
     platform.activate()
+    renv = _ranks(args, cfg, platform) if cfg.parallel_config.world_size > 1 else None
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
-        engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill)
+        engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
+                              rank=renv.rank if renv else 0)
     except (ConfigError, CheckpointError) as e:
         _die(f"launch-pd: {e}")
+    if renv is not None and not renv.leader:
+        from server.rank_worker import run_follower
+        return run_follower(engine, renv, args, cfg)
+    mirror = None
+    if renv is not None:
+        from server.rank_worker import start_leader
+        mirror = start_leader(engine, renv, args, cfg, prefill)
     if prefill:
         from server.prefill import PrefillWorker as W
     else:
@@ -187,6 +209,8 @@ def run_worker(args) -> int:
         worker = W(engine, opts)
     except Exception as e:     # zmq bind errors: address in use / not available
         _die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
+    if mirror is not None:
+        mirror.attach(worker)
     def on_signal(*_):             # the first drains, a second stops at once
         if worker.draining:
             worker.stop.set()
@@ -205,7 +229,29 @@ def run_worker(args) -> int:
         worker.run()
     finally:
         worker.close()
-    return 0
+        if mirror is not None:
+            mirror.close()
+    return 1 if worker.rank_failure else 0
+
+
+def _ranks(args, cfg, platform):
+    """This process's rank (``server.ranks``); rank 0 of a node starts the node's others. Exits 2
+    on a bad flag / variable."""
+    from server.ranks import RankError, init_distributed, rank_env, spawn_ranks
+    if not 0.1 <= args.rank_timeout_s <= 3600:
+        _die(f"launch-pd: --rank-timeout-s: {args.rank_timeout_s} must be in [0.1, 3600] seconds")
+    if not 1 <= args.dist_timeout_s <= 86400:
+        _die(f"launch-pd: --dist-timeout-s: {args.dist_timeout_s} must be in [1, 86400] seconds")
+    try:
+        renv = rank_env(cfg.parallel_config.world_size, args.nnodes, args.node_rank, args.nproc_per_node,
+                        args.master_addr, args.master_port, args.rank_port)
+    except RankError as e:
+        _die(f"launch-pd: {e}")
+    if renv.spawn:
+        args.children = spawn_ranks(renv, args.argv)
+    log.info("rank %d of %d (leader %s:%d)", renv.rank, renv.world_size, renv.master_addr, renv.master_port)
+    init_distributed(renv, platform.kind, args.dist_timeout_s)
+    return renv
 
 
 def run_gateway(args) -> int:
@@ -307,6 +353,7 @@ def run_local(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # what a spawned rank runs again
     if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         _die(f"launch-pd: --log-level / DSV4_LOG_LEVEL: {args.log_level!r} is not one of "
              "debug, info, warning, error, critical")

@@ -32,9 +32,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _rank_ports() -> list[str]:
+    return ["--master-port", str(free_port()), "--rank-port", str(free_port())]
+
+
 class LocalPD:
     """``num_prefill`` prefill and ``num_decode`` decode workers plus one gateway.
 
+    ``extra_args``: flags per role ("prefill", "decode", "gateway") and per instance ("decode1"),
+    the latter last (so an instance's ``--config`` wins). Every worker gets its own free
+    ``--master-port`` / ``--rank-port`` (a multi-rank instance's rendezvous and step channel).
     Attributes (after ``start``): ``base_url`` (gateway), ``metrics_urls`` {name: url} and
     ``ready_urls`` {name: url} of every process. Raises RuntimeError if a process exits or the
     gateway is not healthy within ``timeout_s``.
@@ -65,13 +72,14 @@ class LocalPD:
         for i in range(num_prefill):
             zp, hp = free_port(), free_port()
             self.cmds[f"prefill{i}"] = launch + ["--role", "prefill", "--port", str(zp), "--http-port", str(hp)] \
-                + extra.get("prefill", [])
+                + _rank_ports() + extra.get("prefill", []) + extra.get(f"prefill{i}", [])
             pre.append(f"{host}:{zp}")
             self._http(f"prefill{i}", hp)
         for i in range(num_decode):
             zp, sp, hp = free_port(), free_port(), free_port()
             self.cmds[f"decode{i}"] = launch + ["--role", "decode", "--port", str(zp), "--state-port", str(sp),
-                                                "--http-port", str(hp)] + extra.get("decode", [])
+                                                "--http-port", str(hp)] + _rank_ports() + extra.get("decode", []) \
+                + extra.get(f"decode{i}", [])
             dec.append(f"{host}:{zp}")
             self._http(f"decode{i}", hp)
         gp = gateway_port or free_port()

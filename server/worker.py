@@ -70,10 +70,16 @@ def quantization_label(q) -> str:
 
 
 def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
-    """The model fingerprint and state layout both sides of a transfer must agree on."""
+    """The model fingerprint and state layout both sides of a transfer must agree on.
+
+    ``parallel.state`` "whole": a request's state travels unsharded from the prefill leader to the
+    decode leader (every rank holds it whole: attention is not sharded), so instances of any
+    parallel layouts pair (prefill CP 2 -> decode EP 2, ...). A sharded state would name its
+    sharding here and be refused at the handshake (``kvtransfer.transport``), never mid-transfer.
+    """
     a = engine.model.args
     layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
-              "parallel": {"world_size": 1, "cp_size": 1, "dp_size": 1}}
+              "parallel": {"state": "whole"}}
     return model_fingerprint(a.to_dict(), engine.model.dtype, layout), layout
 
 
@@ -113,6 +119,8 @@ class Worker:
         self._bad_requests = 0
         self._last_bad_log = self._last_gone_log = 0.0
         self._http: uvicorn.Server | None = None
+        self.rank_failure: str | None = None   # multi-rank: why a rank was lost (server.rank_worker)
+        self.parallel_info = None                # multi-rank: () -> dict for /health
 
     # ---- subclass hooks ----------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
@@ -169,6 +177,15 @@ class Worker:
             self.ready = False
             self.wake()
             log.info("%s: draining (up to %g s)", self.role, self._drain_deadline - time.monotonic())
+
+    def rank_lost(self, reason: str) -> None:
+        """A rank of this instance is gone: not ready from now on; the loop fails the samples in
+        flight (503) and ends. Any thread."""
+        self.rank_failure = reason
+        self.ready = False
+        self.draining = True
+        self._drain_deadline = 0.0
+        self.wake()
 
     def _bad_request(self, what: str) -> None:
         """Log bad requests at most once per 10 s (a fuzzer must not flood the log)."""
@@ -279,7 +296,9 @@ class Worker:
                 self.tick()
                 if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
                     if self.busy():
-                        self.abort_all(503, f"the {self.role} worker shut down (drain deadline)")
+                        why = (f"a rank of the {self.role} instance was lost ({self.rank_failure})"
+                               if self.rank_failure else f"the {self.role} worker shut down (drain deadline)")
+                        self.abort_all(503, why)
                     # let the gateway read our last replies (final tokens, errors) before we
                     # disconnect: its DEALER drops unread messages of a connection that went away
                     time.sleep(0.3)
@@ -320,7 +339,8 @@ class Worker:
                     "quantization": quantization_label(q),
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
-                                                     "warmup_s": round(r.warmup_s, 3)}}
+                                                     "warmup_s": round(r.warmup_s, 3)},
+                    "parallel": self.parallel_info() if self.parallel_info else {"world_size": 1}}
 
         @app.get("/ready")
         def ready():

@@ -41,8 +41,9 @@ def test_rank_env_from_launch_flags_spawns_the_node_ranks():
     ({}, {"RANK": "4", "WORLD_SIZE": "4"}, "RANK: 4 must be < WORLD_SIZE (4)"),
     ({}, {"RANK": "x", "WORLD_SIZE": "4"}, "RANK: 'x' is not an integer"),
     ({"nnodes": 3}, {}, "--nnodes 3 x --nproc-per-node 1 must equal parallel_config.world_size (4)"),
-    ({"nnodes": 2, "node_rank": 2}, {}, "--node-rank: 2 must be in [0, 1]"),
+    ({"nnodes": 2, "node_rank": 2}, {}, "--node-rank / NODE_RANK: 2 must be in [0, 1]"),
     ({"master_port": 70000}, {}, "--master-port / MASTER_PORT: 70000 must be in [1, 65534]"),
+    ({"nnodes": "two"}, {}, "--nnodes / NNODES: 'two' is not an integer"),
 ])
 def test_rank_env_errors_name_the_setting(kw, env, msg):
     with pytest.raises(RankError) as e:
@@ -199,3 +200,16 @@ def test_sequence_state_tensors_equal_the_paged_ones(reference):
     assert set(mine) == set(paged)
     for k in paged:
         torch.testing.assert_close(mine[k], paged[k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--nnodes", "3"], "launch-pd: --nnodes / NNODES: 3 must be in [1, 2]"),
+    (["--rank-timeout-s", "0"], "launch-pd: --rank-timeout-s: 0.0 must be in [0.1, 3600] seconds"),
+])
+def test_launch_pd_names_a_bad_rank_flag(flags, msg, capsys, monkeypatch):
+    from server.cli import main
+    for v in ("RANK", "WORLD_SIZE", "NNODES", "NODE_RANK"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["--role", "decode", "--config", "configs/tiny-flash-2rank-decode.yaml", "--device", "cpu", *flags])
+    assert e.value.code == 2 and msg in capsys.readouterr().err

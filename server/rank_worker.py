@@ -1,0 +1,122 @@
+"""Leader and follower sides of a multi-rank worker instance (``server.ranks`` starts them).
+
+The leader is the ordinary prefill / decode worker plus a ``Mirror`` of its engine calls to the
+followers. When a rank is lost (its process exits, its connection closes, or it misses
+heartbeats for ``--rank-timeout-s``) the leader stops being ready at once, fails the samples in
+flight (503) and exits with status 1, so the gateway drops the instance within
+``rank_timeout_s`` + one ping; a leader stuck in a collective with the dead rank is ended
+``rank_timeout_s`` later by a watchdog. A follower exits when the leader goes away.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
+from engine.parallel.mirror import Mirror, cache_layout, follow
+
+log = logging.getLogger(__name__)
+
+
+def _cp_fn(cfg):
+    if cfg.parallel_config.cp_size == 1:
+        return None
+    from engine.parallel.cp import cp_prefill
+    return cp_prefill
+
+
+class LeaderRanks:
+    """Rank 0's view of its followers: the link, the mirror and the watch on every rank."""
+
+    def __init__(self, engine, renv, args, cfg, prefill: bool):
+        self.renv, self.timeout_s = renv, args.rank_timeout_s
+        self.children = getattr(args, "children", {})
+        self.link = LeaderLink(renv.master_addr, renv.rank_port, renv.world_size, args.rank_timeout_s)
+        try:
+            self.link.wait_followers(cache_layout(engine), args.dist_timeout_s)
+        except LinkError as e:
+            self.close()
+            raise SystemExit(f"launch-pd: {e}") from None
+        pc = cfg.parallel_config
+        cp = _cp_fn(cfg) if prefill else None
+        if pc.cp_size > 1 and not prefill:
+            log.info("parallel_config.cp_size %d: context parallelism is for prefill; this decode instance "
+                     "runs the attention of every request on every rank", pc.cp_size)
+        self.mirror = Mirror(engine, self.link, cp, cp_min_tokens=2 * pc.cp_size * engine.model.args.sliding_window)
+        self.worker = None
+        self.closing = False
+        self.lost: str | None = None
+
+    def attach(self, worker) -> None:
+        """Watch the ranks on behalf of ``worker`` (its ``rank_lost`` is called once)."""
+        self.worker = worker
+        worker.parallel_info = self.info
+        watch(self.link.sock, self.link.ctx, self._lost, "leader")
+        threading.Thread(target=self._watch_children, name="rank-children", daemon=True).start()
+
+    def info(self) -> dict:
+        """For /health: the layout and every rank's process."""
+        ranks = [{"rank": 0, "pid": os.getpid()}] + [
+            {"rank": r, "pid": h.get("pid"), "host": h.get("host")} for r, h in sorted(self.link.hellos.items())]
+        return {"world_size": self.renv.world_size, "ranks": ranks, "cp_prefills": self.mirror.cp_runs}
+
+    def _watch_children(self) -> None:
+        while not self.closing and self.lost is None:
+            for r, p in self.children.items():
+                if p.poll() is not None:
+                    self._lost(f"rank {r} (pid {p.pid}) exited with status {p.returncode}")
+                    return
+            time.sleep(0.1)
+
+    def _lost(self, reason: str) -> None:
+        if self.closing or self.lost is not None:
+            return
+        self.lost = reason
+        log.error("rank lost: %s; the instance leaves routing", reason)
+        if self.worker is not None:
+            self.worker.rank_lost(reason)
+        # a leader blocked in a collective with the dead rank cannot run its loop: end it
+        threading.Timer(self.timeout_s + 2.0, lambda: os._exit(1)).start()
+
+    def close(self) -> None:
+        self.closing = True
+        if getattr(self, "mirror", None) is not None and self.lost is None:
+            self.mirror.stop()
+        time.sleep(0.1)
+        self.link.close()
+        for p in self.children.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.children.values():
+            try:
+                p.wait(10)
+            except Exception:             # noqa: BLE001
+                p.kill()
+
+
+def start_leader(engine, renv, args, cfg, prefill: bool) -> LeaderRanks:
+    return LeaderRanks(engine, renv, args, cfg, prefill)
+
+
+def run_follower(engine, renv, args, cfg) -> int:
+    """Replay the leader's steps until it says stop (0) or goes away (1)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C: the leader drains and stops us
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        link = FollowerLink(renv.master_addr, renv.rank_port, renv.rank, cache_layout(engine), args.rank_timeout_s,
+                            startup_s=args.dist_timeout_s)
+    except LinkError as e:
+        log.error("%s", e)
+        return 1
+
+    def lost(reason: str) -> None:
+        log.error("rank %d: leader lost (%s); exiting", renv.rank, reason)
+        os._exit(1)
+    watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
+    log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
+    follow(engine, link, _cp_fn(cfg))
+    log.info("rank %d: stopped by the leader", renv.rank)
+    os._exit(0)                          # do not run torch.distributed's teardown against a gone leader
