@@ -91,6 +91,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     if not str(path) or not path.is_dir():
         raise ConfigError(f"model_config.model_path: {str(path)!r} is not a checkpoint directory")
     plat = detect(device)
+    _check_ranks(cfg)
     cp, ex = cfg.model_config.custom_params, exec_config(cfg)
     if plat.kind == "npu":
         check_platform_version(cfg, plat.platform_version)
@@ -115,6 +116,15 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
                                      plat, ex)
         engine.runner.warmup()
     return engine
+
+
+def _check_ranks(cfg: RunConfig) -> None:
+    import torch.distributed as dist
+    n = cfg.parallel_config.world_size
+    have = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if n != have:
+        raise ConfigError(f"parallel_config.world_size: {n} ranks need torch.distributed with that many "
+                          f"processes (launch-pd --role prefill|decode starts them); this process has {have}")
 
 
 def _size(cfg: RunConfig, model, path: Path) -> LLMEngine:

@@ -180,6 +180,7 @@ def run_worker(args) -> int:
         state_port=args.state_port if args.state_port is not None else _env_int("DECODE_STATE_PORT", 5558),
         heartbeat_timeout_s=args.worker_timeout_s, drain_timeout_s=args.drain_timeout_s,
         max_queued=args.max_queued, transfer_timeout_s=args.transfer_timeout_s, cluster_secret=_cluster_secret(args))
+    args.cluster_secret_value = opts.cluster_secret        # the rank step channel uses it too
     if args.cpu_threads is not None:
         if args.cpu_threads < 1:
             _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")

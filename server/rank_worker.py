@@ -17,6 +17,7 @@ import time
 
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
 from engine.parallel.mirror import Mirror, cache_layout, follow
+from kvtransfer.secure import secure_client, secure_server, stop_authenticator
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,9 @@ class LeaderRanks:
     def __init__(self, engine, renv, args, cfg, prefill: bool):
         self.renv, self.timeout_s = renv, args.rank_timeout_s
         self.children = getattr(args, "children", {})
-        self.link = LeaderLink(renv.master_addr, renv.rank_port, renv.world_size, args.rank_timeout_s)
+        secret = args.cluster_secret_value
+        self.link = LeaderLink(renv.master_addr, renv.rank_port, renv.world_size, args.rank_timeout_s,
+                               secure=(lambda s: secure_server(s, secret)) if secret else None)
         try:
             self.link.wait_followers(cache_layout(engine), args.dist_timeout_s)
         except LinkError as e:
@@ -86,7 +89,7 @@ class LeaderRanks:
         if getattr(self, "mirror", None) is not None and self.lost is None:
             self.mirror.stop()
         time.sleep(0.1)
-        self.link.close()
+        self.link.close(stop_authenticator)
         for p in self.children.values():
             if p.poll() is None:
                 p.terminate()
@@ -106,8 +109,10 @@ def run_follower(engine, renv, args, cfg) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C: the leader drains and stops us
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
+        secret = args.cluster_secret_value
         link = FollowerLink(renv.master_addr, renv.rank_port, renv.rank, cache_layout(engine), args.rank_timeout_s,
-                            startup_s=args.dist_timeout_s)
+                            startup_s=args.dist_timeout_s,
+                            secure=(lambda s: secure_client(s, secret)) if secret else None)
     except LinkError as e:
         log.error("%s", e)
         return 1

@@ -213,3 +213,9 @@ def test_launch_pd_names_a_bad_rank_flag(flags, msg, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["--role", "decode", "--config", "configs/tiny-flash-2rank-decode.yaml", "--device", "cpu", *flags])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_a_multi_rank_config_outside_launch_pd_is_refused_before_loading(ckpt):
+    cfg = RunConfig.from_yaml("configs/tiny-flash-2rank-decode.yaml")
+    with pytest.raises(ConfigError, match=r"parallel_config.world_size: 2 ranks need torch.distributed .* has 1"):
+        build_engine(cfg, ckpt, progress=False)

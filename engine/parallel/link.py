@@ -21,7 +21,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 log = logging.getLogger(__name__)
-_MAX_MSG = 1 << 34
+_MAX_MSG = 1 << 40                  # a step message carries a whole imported state
 
 
 class LinkError(RuntimeError):
@@ -81,13 +81,17 @@ def watch(sock: zmq.Socket, ctx: zmq.Context, on_lost: Callable[[str], None], na
 class LeaderLink:
     """Rank 0's end: bind, wait for ``world_size - 1`` hellos, then ``send`` to all of them."""
 
-    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 5.0):
+    def __init__(self, host: str, port: int, world_size: int, timeout_s: float = 5.0,
+                 secure: Callable[[zmq.Socket], None] | None = None):
         self.world_size, self.timeout_s = world_size, timeout_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)        # only hellos come in
         _heartbeat(self.sock, timeout_s)
+        if secure is not None:           # e.g. kvtransfer.secure.secure_server (CURVE), before bind
+            secure(self.sock)
         self.sock.bind(f"tcp://{host}:{port}")
         self.peers: dict[int, bytes] = {}
         self.hellos: dict[int, dict] = {}
@@ -101,9 +105,15 @@ class LeaderLink:
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 missing = sorted(set(range(1, self.world_size)) - set(self.peers))
                 raise LinkError(f"ranks {missing} did not connect within {startup_s:g} s")
-            ident, frame = self.sock.recv_multipart()
-            hello = msgpack.unpackb(frame)
-            r = hello.get("rank")
+            parts = self.sock.recv_multipart()
+            try:
+                hello = msgpack.unpackb(parts[1]) if len(parts) == 2 else None
+            except ValueError:
+                hello = None
+            if not isinstance(hello, dict):
+                log.warning("step channel: dropped a message that is not a hello")
+                continue
+            ident, r = parts[0], hello.get("rank")
             if not isinstance(r, int) or not 0 < r < self.world_size or r in self.peers:
                 raise LinkError(f"bad hello from a follower: rank {r!r}")
             if hello.get("layout") != expect:
@@ -122,8 +132,10 @@ class LeaderLink:
         except zmq.ZMQError as e:
             raise LinkError(f"a follower rank is gone: {e}") from None
 
-    def close(self) -> None:
+    def close(self, before_term: Callable[[zmq.Context], object] | None = None) -> None:
         self.sock.close(0)
+        if before_term is not None:      # e.g. kvtransfer.secure.stop_authenticator
+            before_term(self.ctx)
         self.ctx.term()
 
 
@@ -131,12 +143,14 @@ class FollowerLink:
     """Rank r's end: connect, hello, then ``recv`` step messages."""
 
     def __init__(self, host: str, port: int, rank: int, layout: dict, timeout_s: float = 5.0,
-                 startup_s: float = 600.0):
+                 startup_s: float = 600.0, secure: Callable[[zmq.Socket], None] | None = None):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, _MAX_MSG)
         _heartbeat(self.sock, timeout_s)
+        if secure is not None:           # e.g. kvtransfer.secure.secure_client (CURVE), before connect
+            secure(self.sock)
         self.sock.connect(f"tcp://{host}:{port}")
         self.sock.send(msgpack.packb({"rank": rank, "layout": layout, "pid": os.getpid(),
                                       "host": socket.gethostname()}))
