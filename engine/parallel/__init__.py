@@ -1,0 +1,1 @@
+"""Multi-rank execution: EP/TP sharding, attention DP and context-parallel prefill (torch.distributed)."""
