@@ -128,5 +128,11 @@ class Attention(nn.Module):
             o[r] = attend_rows(self, dec, [states[j] for j in dec.seq], x[r], q[r], kv[r],
                                iq[r] if self.indexer is not None else None, iw[r] if self.indexer is not None else None)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
-        o = ops.grouped_linear(self.wo_a.quant_input(o.reshape(T, self.n_groups, -1)), self.wo_a.weight)
+        return self.out_proj(o)
+
+    def out_proj(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped output projection (§3.3 step 8): o ``[T, h, d]`` -> ``[T, H]``. A seam:
+        ``engine.parallel.shard`` replaces it per instance under o_proj TP."""
+        o = o.reshape(o.shape[0], self.n_groups, self.n_heads * self.head_dim // self.n_groups)
+        o = self.ops.grouped_linear(self.wo_a.quant_input(o), self.wo_a.weight)
         return self.wo_b(o.flatten(1))

@@ -162,7 +162,8 @@ class Transformer(nn.Module):
             tokens: ``[sum(lengths)]`` int64. states: one per sequence. lengths: tokens per sequence.
             layer_hook: called with ``i`` after layer ``i`` ran (its state is final for this step).
         Returns:
-            ``[sum(lengths), H]`` final hidden states, compute dtype.
+            ``[sum(lengths), H]`` final hidden states, compute dtype. No sequences (``tokens`` ``[0]``)
+            runs every layer on zero rows: an idle attention-DP rank still joins the collectives.
         Raises:
             ValueError: an empty sequence, a sequence longer than ``max_position_embeddings``, or a
                 state built for another model. A failure mid-forward leaves the states partly
@@ -184,10 +185,10 @@ class Transformer(nn.Module):
             spans.append((off, n, start))
             pos.append(torch.arange(start, start + n, device=tokens.device))
             off += n
-        positions = torch.cat(pos)
+        positions = torch.cat(pos) if pos else tokens.new_zeros(0)         # no sequences: an idle DP rank
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
-        X = F.embedding(tokens, self.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = self.embed_tokens(tokens).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
         dec = DecodeRows.build(states, spans, a.sliding_window) if self._batch_decode else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
@@ -198,6 +199,11 @@ class Transformer(nn.Module):
             st.num_tokens += n
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return self.norm(h).to(self.dtype)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[T]`` int64 -> embeddings ``[T, H]``, compute dtype. A seam: ``engine.parallel.shard``
+        replaces it per instance under embedding TP."""
+        return F.embedding(tokens, self.embed.weight)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,358 @@
+"""Shard a loaded DeepSeek-V4 model over ranks and install its collective forwards.
+
+Source: reference/upstream-parallel-and-mtp.md "Parallel strategy" (decode: attention DP, MoE EP,
+LM-head TP, o_a_proj TP with DP->TP all_to_all and reduce-scatter back). Rank layout and row modes:
+``engine.parallel.context``; the collectives: ``engine.parallel.comm``. What each part does, with
+``T`` this rank's rows, ``N`` the rows of its group, ``s`` a group's size:
+
+* Routed experts (EP x MoE-TP, group "moe" = every rank). Rank r holds experts
+  ``[e*E/ep, (e+1)*E/ep)`` (e = r // moe_tp_size) and the ``I`` slice ``moe_tp_rank`` of each
+  (w1 / w3 rows, w2 columns). The gate stays replicated. "replicated": each rank computes its
+  experts' share for all rows, then one fp32 all_reduce. "dp": the counts, then the rows (x, the
+  row's k expert ids, its k weights, one byte payload) go by ``all_to_all_single`` with uneven
+  splits (gloo supports them) to every rank of each EP shard they need; each rank sums its local
+  slots of each received row in slot order (fp32), the partials come back by a second
+  all_to_all, and the origin adds them in rank order. With ``moe_chunk_max_len`` the ranks agree
+  on the chunk count first (an all_reduce MAX) so every rank runs the same collectives.
+* Shared expert (``shared_tp_size``): w1 / w3 rows and w2 columns split; "replicated": partial +
+  all_reduce; "dp": gather the group's rows (all_to_all), partial, reduce-scatter (all_to_all +
+  sum in rank order).
+* o_proj (``o_proj_tp_size``, o_groups % s == 0): rank keeps the wo_a rows of its G/s groups and
+  the matching wo_b columns; "dp": DP->TP all_to_all of each rank's rows for those groups,
+  grouped_linear + wo_b partial, reduce-scatter back; "replicated": partial + all_reduce.
+* Embedding (``embed_tp_size``): contiguous vocab slices, masked lookup (zero rows elsewhere);
+  "replicated": all_reduce; "dp": gather the group's token ids, look up, reduce-scatter. Exact:
+  one nonzero term per element.
+* LM head (``lmhead_tp_size``): contiguous vocab slices of ceil(V/s) rows (the last padded with
+  zeros, cut after); "replicated": local logits + all_gather along V; "dp": gather the group's
+  hidden rows, local logits ``[N, V/s]``, all_to_all each rank its rows, concatenate along V.
+* ``dense_tp_size``: a no-op (DeepSeek-V4 has no dense FFN layers; every layer is MoE).
+  ``attn_tp_size`` must be 1 (attention runs replicated or data parallel).
+
+Partial sums travel and add in fp32 and are cast to the compute dtype once. Idle ranks: in "dp"
+mode a rank without sequences calls ``forward_idle(model)`` (= ``forward_batch`` with no sequences,
+which runs every layer on zero rows) and, when the step samples, ``model.logits`` on its
+``[0, H]`` result. The graph-captured decode (``engine.model.static_decode``) is not parallel.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError
+from engine.model.moe import MLP, MoE
+from engine.model.transformer import Transformer
+from engine.parallel.comm import (all_gather_cols, all_reduce_max, all_reduce_sum, all_to_all_rows, counts,
+                                  exchange_counts, gather_rows, scatter_sum)
+from engine.parallel.context import GroupInfo, ParallelContext, trivial_context
+from engine.run_config import ParallelConfig
+
+_KEY = "parallel_config"
+
+
+def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> ParallelContext:
+    """Shard a fully loaded model in place for ``rank`` of ``pc.world_size`` and install the
+    collective forwards. torch.distributed must be initialised (any backend) with world_size ==
+    pc.world_size; the process groups come from ``dist.new_group`` (every rank calls this with the
+    same config, so the groups are made in the same order). World size 1: only sets
+    ``model.parallel`` to a trivial context. Returns ``model.parallel``.
+
+    Raises:
+        ConfigError: a size that does not divide the model (``parallel_config.<key>: ...``),
+            attn_tp_size != 1, or a quantised (packed / activation-quantised) tensor to shard.
+        ValueError: torch.distributed not initialised, its world size / rank differ, or the model
+            is already sharded.
+    """
+    if pc.world_size == 1:
+        model.parallel = trivial_context(pc)
+        return model.parallel
+    if getattr(model, "parallel", None) is not None and model.parallel.world_size > 1:
+        raise ValueError("apply_parallel: the model is already sharded")
+    _check(model, pc)
+    if not dist.is_initialized() or dist.get_world_size() != pc.world_size or dist.get_rank() != rank:
+        raise ValueError(f"apply_parallel: torch.distributed must be initialised with world_size "
+                         f"{pc.world_size} and rank {rank}")
+    ctx = ParallelContext(rank, pc.world_size, pc, _groups(pc, rank))
+    for blk in [*model.layers, *model.mtp]:
+        _shard_moe(blk.ffn, ctx)
+        if pc.o_proj_tp_size > 1:
+            _shard_o_proj(blk.attn, ctx)
+    if pc.embed_tp_size > 1:
+        _shard_embed(model, ctx)
+    if pc.lmhead_tp_size > 1:
+        _shard_head(model, ctx)
+    model.parallel = ctx
+    return ctx
+
+
+@torch.no_grad()
+def forward_idle(model: Transformer) -> torch.Tensor:
+    """A "dp" step for a rank without sequences: every layer on zero rows, so the rank joins each
+    collective of the step. Returns the ``[0, H]`` hidden (pass it to ``model.logits`` when the
+    other ranks sample)."""
+    return model.forward_batch(torch.zeros(0, dtype=torch.long, device=model.embed.weight.device), [], [])
+
+
+# ---- checks and groups ---------------------------------------------------------------------
+def _fail(key: str, msg: str):
+    raise ConfigError(f"{_KEY}.{key}: {msg}")
+
+
+def _quantised(mod: nn.Module) -> bool:
+    return getattr(mod, "fmt", None) is not None or getattr(mod, "act", None) is not None
+
+
+def _check(model: Transformer, pc: ParallelConfig) -> None:
+    """Every ConfigError before anything is sharded."""
+    a = model.args
+    if pc.attn_tp_size != 1:
+        _fail("attn_tp_size", f"attention tensor parallelism is not supported (attention runs replicated or "
+                              f"data parallel); must be 1, got {pc.attn_tp_size}")
+    if a.n_routed_experts % pc.moe_ep_size:
+        _fail("moe_tp_size", f"moe_ep_size = world_size / moe_tp_size = {pc.moe_ep_size} must divide "
+                             f"n_routed_experts ({a.n_routed_experts})")
+    if a.moe_intermediate_size % pc.moe_tp_size:
+        _fail("moe_tp_size", f"must divide moe_intermediate_size ({a.moe_intermediate_size}), got {pc.moe_tp_size}")
+    if a.o_groups % pc.o_proj_tp_size:
+        _fail("o_proj_tp_size", f"must divide o_groups ({a.o_groups}), got {pc.o_proj_tp_size}")
+    inter = a.moe_intermediate_size * a.n_shared_experts
+    if pc.shared_tp_size > 1 and (not inter or inter % pc.shared_tp_size):
+        _fail("shared_tp_size", f"must divide the shared expert width ({inter}), got {pc.shared_tp_size}")
+    for key in ("embed_tp_size", "lmhead_tp_size"):
+        if getattr(pc, key) > a.vocab_size:
+            _fail(key, f"must be <= vocab_size ({a.vocab_size}), got {getattr(pc, key)}")
+    no_q = "sharding of quantised checkpoints is not supported yet"
+    for blk in [*model.layers, *model.mtp]:
+        if _quantised(blk.ffn.experts):
+            _fail("world_size", f"the routed experts are sharded over every rank; {no_q}")
+        if pc.shared_tp_size > 1 and any(_quantised(m) for m in blk.ffn.shared_experts.modules()):
+            _fail("shared_tp_size", no_q)
+        if pc.o_proj_tp_size > 1 and (_quantised(blk.attn.wo_a) or _quantised(blk.attn.wo_b)):
+            _fail("o_proj_tp_size", no_q)
+    if pc.lmhead_tp_size > 1 and _quantised(model.head):
+        _fail("lmhead_tp_size", no_q)
+    if pc.embed_tp_size > 1 and not model.embed.weight.is_floating_point():
+        _fail("embed_tp_size", no_q)
+
+
+def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
+    """"moe": all ranks; the TP kinds: consecutive ranks. Every rank creates every group, in order."""
+    W, out = pc.world_size, {}
+    sizes = {"moe": W, "embed": pc.embed_tp_size, "lmhead": pc.lmhead_tp_size, "o_proj": pc.o_proj_tp_size,
+             "shared": pc.shared_tp_size}
+    for kind, t in sizes.items():
+        if t == 1:
+            out[kind] = GroupInfo((rank,), 0, None)
+            continue
+        for start in range(0, W, t):
+            ranks = tuple(range(start, start + t))
+            g = dist.new_group(list(ranks))
+            if rank in ranks:
+                out[kind] = GroupInfo(ranks, rank - start, g)
+    return out
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous().clone(), requires_grad=False)
+
+
+def _vocab_slice(V: int, g: GroupInfo) -> tuple[int, int, int]:
+    """(first id, ids held, slice length ceil(V/s)) of this rank's contiguous vocab slice."""
+    per = -(-V // g.size)
+    lo = min(V, g.index * per)
+    return lo, min(V, lo + per) - lo, per
+
+
+# ---- MoE: routed experts (EP x MoE-TP) and the shared expert -------------------------------
+class ParallelMoE(MoE):
+    """``MoE`` whose routed experts are this rank's EP / MoE-TP shard (installed on a loaded MoE
+    by class swap: parameter names, ``configure`` and the gate stay as they are)."""
+
+    parallel: ParallelContext
+    expert_lo: int = 0
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]`` (this rank's rows in either mode)."""
+        weights, ids = self.gate(x, tokens)
+        shared = None
+        if self.shared_experts is not None and self.side is not None:
+            with self.platform.side_stream(self.side):
+                shared = self.shared_experts(x)
+        y = self._routed(x, ids, weights)
+        if self.shared_experts is None:
+            return y
+        if shared is None:
+            return y + self.shared_experts(x)
+        self.platform.join(self.side, shared)
+        return y + shared
+
+    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed experts over the "moe" group: ``[T, H]`` in x.dtype. Slots are put in ascending
+        expert order (the single-rank op's summation order)."""
+        g, T = self.parallel.groups["moe"], x.shape[0]
+        ids, order = ids.sort(dim=-1, stable=True)
+        weights = weights.gather(1, order)
+        c = self.chunk or max(T, 1)
+        n = -(-T // c)
+        if self.parallel.dp:
+            n = all_reduce_max(n, g) if self.chunk else 1
+            run = self._dispatch
+        else:
+            def run(xc, ic, wc):
+                return all_reduce_sum(self._local(xc, ic, wc), g)
+        if n <= 1:
+            return run(x, ids, weights).to(x.dtype)
+        return torch.cat([run(x[i * c:(i + 1) * c], ids[i * c:(i + 1) * c], weights[i * c:(i + 1) * c])
+                          for i in range(n)]).to(x.dtype)
+
+    def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share: x ``[N, H]``, ids / weights ``[N, k]`` (global ids) -> ``[N, H]`` fp32,
+        per row the sum over its slots with a local expert (slot order) of
+        ``w * expert_slice(x)``; one ``ops.moe_experts`` call on (row, slot) pairs."""
+        e = self.experts
+        n_loc = e.w1.shape[0]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        hit = (ids >= self.expert_lo) & (ids < self.expert_lo + n_loc)
+        r, j = hit.nonzero(as_tuple=True)
+        if r.numel() == 0:
+            return out
+        y = self.ops.moe_experts(x[r], (ids[r, j] - self.expert_lo)[:, None], weights[r, j][:, None],
+                                 e.w1, e.w3, e.w2, self.limit, e.act).float()
+        for s in range(ids.shape[1]):                    # rows are unique within one slot: no atomics
+            m = j == s
+            out[r[m]] += y[m]
+        return out
+
+    def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """"dp": all_to_all the rows to the EP shards that hold their experts, combine -> ``[T, H]`` fp32."""
+        pc = self.parallel
+        g, mt, n_loc = pc.groups["moe"], pc.config.moe_tp_size, self.experts.w1.shape[0]
+        T, H, k = x.shape[0], x.shape[1], ids.shape[1]
+        need = torch.zeros(T, pc.config.moe_ep_size, dtype=torch.bool, device=x.device)
+        need.scatter_(1, ids // n_loc, True)
+        rows = [need[:, d // mt].nonzero().squeeze(1) for d in range(g.size)]   # per destination rank
+        send = [int(r.numel()) for r in rows]
+        idx = torch.cat(rows)
+        recv = exchange_counts(send, g)
+        b = x.element_size() * H
+        payload = torch.cat([x[idx].contiguous().view(torch.uint8),
+                             ids[idx].to(torch.int32).view(torch.uint8),
+                             weights[idx].float().contiguous().view(torch.uint8)], dim=1)
+        got = all_to_all_rows(payload, send, recv, g)
+        xr = got[:, :b].contiguous().view(x.dtype)
+        ir = got[:, b:b + 4 * k].contiguous().view(torch.int32).long()
+        wr = got[:, b + 4 * k:].contiguous().view(torch.float32)
+        back = all_to_all_rows(self._local(xr, ir, wr), recv, send, g)         # [sum(send), H] fp32
+        out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        off = 0
+        for r, n in zip(rows, send):                     # rank order
+            out[r] += back[off:off + n]
+            off += n
+        return out
+
+
+class ParallelSharedMLP(MLP):
+    """Shared expert split over the "shared" TP group (w1 / w3 rows, w2 columns)."""
+
+    parallel: ParallelContext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, H]`` -> ``[T, H]`` (this rank's rows)."""
+        g = self.parallel.groups["shared"]
+        if self.parallel.dp:
+            xa, c = gather_rows(x, g)
+            return scatter_sum(MLP.forward(self, xa), c, g).to(x.dtype)
+        return all_reduce_sum(MLP.forward(self, x), g).to(x.dtype)
+
+
+def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
+    pc, e = ctx.config, moe.experts
+    n_loc = e.w1.shape[0] // pc.moe_ep_size
+    i_loc = e.w1.shape[1] // pc.moe_tp_size
+    lo, ilo = ctx.ep_rank * n_loc, ctx.moe_tp_rank * i_loc
+    e.w1 = _param(e.w1[lo:lo + n_loc, ilo:ilo + i_loc])
+    e.w3 = _param(e.w3[lo:lo + n_loc, ilo:ilo + i_loc])
+    e.w2 = _param(e.w2[lo:lo + n_loc, :, ilo:ilo + i_loc])
+    moe.__class__ = ParallelMoE
+    moe.parallel, moe.expert_lo = ctx, lo
+    g = ctx.groups["shared"]
+    if g.size > 1:
+        m = moe.shared_experts
+        w = m.w1.weight.shape[0] // g.size
+        s = slice(g.index * w, (g.index + 1) * w)
+        m.w1.weight, m.w3.weight, m.w2.weight = _param(m.w1.weight[s]), _param(m.w3.weight[s]), _param(m.w2.weight[:, s])
+        m.__class__ = ParallelSharedMLP
+        m.parallel = ctx
+
+
+# ---- attention output projection -----------------------------------------------------------
+def _shard_o_proj(attn: nn.Module, ctx: ParallelContext) -> None:
+    g = ctx.groups["o_proj"]
+    rows = attn.wo_a.weight.shape[0] // g.size                     # (G/s) * o_lora_rank
+    s = slice(g.index * rows, (g.index + 1) * rows)
+    attn.wo_a.weight, attn.wo_b.weight = _param(attn.wo_a.weight[s]), _param(attn.wo_b.weight[:, s])
+    attn.out_proj = partial(_o_proj_tp, attn, ctx)
+
+
+def _o_proj_tp(attn: nn.Module, ctx: ParallelContext, o: torch.Tensor) -> torch.Tensor:
+    """``Attention.out_proj`` under o_proj TP: o ``[T, h, d]`` -> ``[T, H]`` (compute dtype)."""
+    g = ctx.groups["o_proj"]
+    T, G = o.shape[0], attn.n_groups
+    Gl, K = G // g.size, attn.n_heads * attn.head_dim // G
+    o = o.reshape(T, G, K)
+
+    def partial_out(oa):                                          # [M, Gl, K] -> [M, H]
+        return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.weight).flatten(1))
+
+    if ctx.dp:
+        c = counts(T, g)
+        blocks = o.reshape(T, g.size, Gl, K).transpose(0, 1).reshape(g.size * T, Gl, K)   # block j: rank j's groups
+        oa = all_to_all_rows(blocks, [T] * g.size, c, g)           # [N, Gl, K]: the group's rows, my groups
+        return scatter_sum(partial_out(oa), c, g).to(o.dtype)
+    return all_reduce_sum(partial_out(o[:, g.index * Gl:(g.index + 1) * Gl]), g).to(o.dtype)
+
+
+# ---- embedding and LM head -----------------------------------------------------------------
+def _shard_embed(model: Transformer, ctx: ParallelContext) -> None:
+    lo, n, _ = _vocab_slice(model.args.vocab_size, ctx.groups["embed"])
+    model.embed.weight = _param(model.embed.weight[lo:lo + n])
+    model.embed_tokens = partial(_embed_tp, model, ctx, lo)
+
+
+def _embed_tp(model: Transformer, ctx: ParallelContext, lo: int, tokens: torch.Tensor) -> torch.Tensor:
+    """``Transformer.embed_tokens`` under embedding TP: tokens ``[T]`` -> ``[T, H]`` compute dtype."""
+    g, w = ctx.groups["embed"], model.embed.weight
+    ids, c = gather_rows(tokens, g) if ctx.dp else (tokens, None)
+    local = ids - lo
+    hit = (local >= 0) & (local < w.shape[0])
+    e = torch.where(hit[:, None], F.embedding(local.clamp(0, w.shape[0] - 1), w), w.new_zeros(()))
+    return (scatter_sum(e, c, g) if ctx.dp else all_reduce_sum(e, g)).to(w.dtype)
+
+
+def _shard_head(model: Transformer, ctx: ParallelContext) -> None:
+    V = model.args.vocab_size
+    lo, n, per = _vocab_slice(V, ctx.groups["lmhead"])
+    w = model.head.weight
+    local = w.new_zeros(per, w.shape[1])
+    local[:n] = w[lo:lo + n]
+    model.head.weight = _param(local)
+    model.logits = partial(_logits_tp, model, ctx)
+
+
+@torch.no_grad()
+def _logits_tp(model: Transformer, ctx: ParallelContext, hidden: torch.Tensor) -> torch.Tensor:
+    """``Transformer.logits`` under LM-head TP: hidden ``[T, H]`` -> ``[T, V]`` fp32 (this rank's rows)."""
+    g, h = ctx.groups["lmhead"], model.head
+    x = h.quant_input(hidden.float())
+    if ctx.dp:
+        xa, c = gather_rows(x, g)
+        T = c[g.index]
+        got = all_to_all_rows(model.ops.lm_head(xa, h.weight), c, [T] * g.size, g)   # [s*T, V/s]
+        full = got.view(g.size, T, h.weight.shape[0]).permute(1, 0, 2).reshape(T, g.size * h.weight.shape[0])
+    else:
+        full = all_gather_cols(model.ops.lm_head(x, h.weight), g)
+    return full[:, :model.args.vocab_size]
