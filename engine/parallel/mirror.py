@@ -64,14 +64,17 @@ class Mirror:
                 self.frames.append(buf)
             self.pending.append(["load", request_id, len(engine.reserved[request_id].prompt_ids), metas, layers])
 
-        def forward_batch(tokens, states, lengths, layer_hook=None):
-            seqs = self._seq_ids(states)
-            if self._use_cp(states, lengths):
-                return self._cp(tokens, seqs[0], layer_hook)
+        def forward(tokens, states, lengths, layer_hook=None):
             meta, buf = encode(tokens)
-            self._send({"op": "forward", "seqs": seqs, "nums": [st.num_tokens for st in states],
+            self._send({"op": "forward", "seqs": self._seq_ids(states), "nums": [st.num_tokens for st in states],
                         "lengths": list(lengths), "tokens": meta}, [buf])
             return fwd(tokens, states, lengths, layer_hook=layer_hook)
+
+        def forward_batch(tokens, states, lengths, layer_hook=None):
+            cp = [i for i, (st, n) in enumerate(zip(states, lengths)) if self._use_cp(st, n)]
+            if not cp:
+                return forward(tokens, states, lengths, layer_hook)
+            return self._with_cp(forward, cp, tokens, states, lengths, layer_hook)
 
         def logits_(hidden):
             meta, buf = encode(hidden)
@@ -91,22 +94,33 @@ class Mirror:
         self.pending, self.frames = [], []
         self.link.send(header, frames)
 
-    def _use_cp(self, states, lengths) -> bool:
-        return (self.cp_prefill is not None and len(states) == 1 and states[0].num_tokens == 0
-                and lengths[0] >= self.cp_min_tokens)
+    def _use_cp(self, state, n: int) -> bool:
+        """A prefill chunk that starts the prompt and is long enough to split over the CP ranks."""
+        return self.cp_prefill is not None and state.num_tokens == 0 and n >= self.cp_min_tokens
 
-    def _cp(self, tokens: torch.Tensor, seq_id, layer_hook) -> torch.Tensor:
-        """A whole prompt through context-parallel prefill; its state lands in every rank's pools.
-        Returns ``[L, H]`` with only the last row computed (the engine reads only that one)."""
-        meta, buf = encode(tokens)
-        self._send({"op": "cp", "seq": seq_id, "tokens": meta}, [buf])
-        last = run_cp(self.engine, self.cp_prefill, tokens, seq_id)
-        self.cp_runs += 1
-        if layer_hook is not None:
-            for i in range(len(self.engine.model.layers)):
-                layer_hook(i)
-        hidden = last.new_zeros(tokens.shape[0], last.shape[-1])
-        hidden[-1] = last[-1]
+    def _with_cp(self, forward, cp: list[int], tokens, states, lengths, layer_hook) -> torch.Tensor:
+        """The batch's sequences ``cp`` through context-parallel prefill one by one (upstream's
+        cp_mini_batch 1), then the others in one forward. A CP sequence's hidden rows are zero but
+        its last (the engine reads only that one for a finished prompt)."""
+        m = self.engine.model
+        offs = [0]
+        for n in lengths:
+            offs.append(offs[-1] + n)
+        hidden = torch.zeros(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+        seqs = self._seq_ids(states)
+        for i in cp:
+            toks = tokens[offs[i]:offs[i + 1]]
+            meta, buf = encode(toks)
+            self._send({"op": "cp", "seq": seqs[i], "tokens": meta}, [buf])
+            hidden[offs[i + 1] - 1] = run_cp(self.engine, self.cp_prefill, toks, seqs[i])[-1]
+            self.cp_runs += 1
+        rest = [i for i in range(len(states)) if i not in cp]
+        if rest:          # the CP states are final now: a layer hook may read them with the others'
+            idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
+            hidden[idx] = forward(tokens[idx], [states[i] for i in rest], [lengths[i] for i in rest], layer_hook)
+        elif layer_hook is not None:
+            for layer in range(len(m.layers)):
+                layer_hook(layer)
         return hidden
 
     def stop(self) -> None:
