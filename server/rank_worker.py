@@ -47,8 +47,10 @@ class LeaderRanks:
         cp = _cp_fn(cfg) if prefill else None
         if pc.cp_size > 1 and not prefill:
             log.info("parallel_config.cp_size %d: context parallelism is for prefill; this decode instance "
-                     "runs the attention of every request on every rank", pc.cp_size)
-        self.mirror = Mirror(engine, self.link, cp, cp_min_tokens=2 * pc.cp_size * engine.model.args.sliding_window)
+                     "runs attention data parallel", pc.cp_size)
+        # decode: attention DP over the ranks (upstream); prefill: attention on every rank (+ CP)
+        self.mirror = Mirror(engine, self.link, cp, cp_min_tokens=2 * pc.cp_size * engine.model.args.sliding_window,
+                             dp=1 if prefill else pc.attn_dp_size)
         self.worker = None
         self.closing = False
         self.lost: str | None = None
@@ -64,7 +66,12 @@ class LeaderRanks:
         """For /health: the layout and every rank's process."""
         ranks = [{"rank": 0, "pid": os.getpid()}] + [
             {"rank": r, "pid": h.get("pid"), "host": h.get("host")} for r, h in sorted(self.link.hellos.items())]
-        return {"world_size": self.renv.world_size, "ranks": ranks, "cp_prefills": self.mirror.cp_runs}
+        m = self.mirror
+        out = {"world_size": self.renv.world_size, "attention": "dp" if m.dp > 1 else "replicated",
+               "ranks": ranks, "cp_prefills": m.cp_runs}
+        if m.dp > 1:
+            out["dp_requests_total"] = m.dp_placed
+        return out
 
     def _watch_children(self) -> None:
         while not self.closing and self.lost is None:
@@ -122,6 +129,6 @@ def run_follower(engine, renv, args, cfg) -> int:
         os._exit(1)
     watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
     log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
-    follow(engine, link, _cp_fn(cfg))
+    follow(engine, link, _cp_fn(cfg), rank=renv.rank)
     log.info("rank %d: stopped by the leader", renv.rank)
     os._exit(0)                          # do not run torch.distributed's teardown against a gone leader

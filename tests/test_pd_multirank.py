@@ -52,6 +52,8 @@ def test_two_rank_prefill_and_decode_equal_the_single_process_engine(ckpt, refer
         cases = [(600, 0.0, None), (700, 0.9, 7), (50, 0.0, None), (130, 0.8, 3)]
         assert_completions_match(pd, reference, cases, max_tokens=6)
         assert _health(pd, "prefill0")["parallel"]["cp_prefills"] == 2
+        dec = _health(pd, "decode0")["parallel"]
+        assert dec["attention"] == "dp" and min(dec["dp_requests_total"]) >= 1, dec    # both ranks decoded
         wait_idle(pd, ["prefill0", "decode0"])
     finally:
         pd.stop()

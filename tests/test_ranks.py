@@ -2,6 +2,7 @@
 replay keeping its state pools equal to the leader's (engine.parallel.mirror)."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -113,6 +114,24 @@ def pair(ckpt):
     link.wait_followers(cache_layout(leader), startup_s=30)
     th.join()
     mirror = Mirror(leader, link)
+    count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.model.logits, link.send
+
+    def sent(header, frames=(), to=None):
+        count["sent"] += header["op"] == "logits"
+        send(header, frames, to)
+
+    def seen(hidden):                     # the follower has replayed everything up to this call
+        out = logits(hidden)
+        with cond:
+            count["seen"] += 1
+            cond.notify_all()
+        return out
+    link.send, follower.model.logits = sent, seen
+
+    def replayed() -> bool:
+        with cond:
+            return cond.wait_for(lambda: count["seen"] == count["sent"], timeout=30)
+    mirror.replayed = replayed
     runner = threading.Thread(target=follow, args=(follower, box["link"]), daemon=True)
     runner.start()
     yield leader, follower, mirror
@@ -123,8 +142,10 @@ def pair(ckpt):
 
 
 def _sync(mirror):
-    """Flush pending cache calls with a logits call (the follower applies them in order)."""
+    """Flush pending cache calls with a logits call and wait until the follower has replayed
+    it (and so everything sent before it, in order)."""
     mirror.engine.model.logits(torch.zeros(1, mirror.engine.model.args.hidden_size))
+    assert mirror.replayed(), "the follower did not replay within 30 s"
 
 
 def _pools_equal(a, b):
@@ -219,3 +240,30 @@ def test_a_multi_rank_config_outside_launch_pd_is_refused_before_loading(ckpt):
     cfg = RunConfig.from_yaml("configs/tiny-flash-2rank-decode.yaml")
     with pytest.raises(ConfigError, match=r"parallel_config.world_size: 2 ranks need torch.distributed .* has 1"):
         build_engine(cfg, ckpt, progress=False)
+
+
+def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(reference):
+    from engine.cache import CacheFullError, PagedCache
+    from engine.parallel.dp_cache import DPCache
+    local = PagedCache(reference.cache.args, dataclasses.replace(reference.cache.config, max_seqs=2),
+                       reference.cache.dtype)
+    dp = DPCache(local, 3)
+    total = local.num_total()
+    assert dp.num_total() == {k: 3 * v for k, v in total.items()}
+    for i in range(6):                                    # two request slots per rank
+        dp.allocate(f"r{i}", 100)
+    assert [dp.rank_of(f"r{i}") for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert not dp.can_allocate("r6", 1)
+    with pytest.raises(CacheFullError):
+        dp.allocate("r6", 1)
+    assert "r6" not in dp.owner
+    dp.allocate("r4", 600)                                # grows on its owner
+    assert dp.rank_of("r4") == 1 and dp.ranks[1].seqs["r4"] is dp.seqs["r4"]
+    assert dp.sequence_state("r4", 600).cache is dp.ranks[1]
+    dp.free("r1")
+    dp.allocate("r7", 10)
+    assert dp.rank_of("r7") == 1                          # the freed slot
+    for i in (0, 2, 3, 4, 5, 7):
+        dp.free(f"r{i}")
+    dp.free("unknown")
+    assert dp.num_free() == dp.num_total() and dp.owner == {}

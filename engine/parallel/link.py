@@ -123,12 +123,14 @@ class LeaderLink:
         for ident in self.peers.values():
             self.sock.send_multipart([ident, msgpack.packb({"op": "welcome"})])
 
-    def send(self, header: dict, frames: list[bytes] = ()) -> None:
-        """One step message to every follower. Raises LinkError if one is gone."""
+    def send(self, header: dict, frames: list[bytes] = (), to: int | None = None) -> None:
+        """One step message to every follower (``to``: only that rank). Raises LinkError if one
+        is gone."""
         head = msgpack.packb(header)
         try:
-            for ident in self.peers.values():
-                self.sock.send_multipart([ident, head, *frames], copy=False)
+            for r, ident in self.peers.items():
+                if to is None or r == to:
+                    self.sock.send_multipart([ident, head, *frames], copy=False)
         except zmq.ZMQError as e:
             raise LinkError(f"a follower rank is gone: {e}") from None
 

@@ -12,11 +12,15 @@ broadcasts its scheduler output the same way).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 import torch
 
+from engine.cache import load_state_tensors
+from engine.llm_engine import RequestError
+from engine.parallel.dp_cache import DPCache
 from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
 
 log = logging.getLogger(__name__)
@@ -33,38 +37,71 @@ class Mirror:
     """Leader side: hooks ``engine``'s cache and model so each call reaches the followers first.
 
     ``cp_prefill``: a context-parallel prefill function (``engine.parallel.cp.cp_prefill``) used
-    for a batch that is one whole prompt of at least ``cp_min_tokens`` tokens; None: never.
+    for a prefill chunk that starts a prompt and has at least ``cp_min_tokens`` tokens; None: never.
+    ``dp`` > 1: attention data parallel (decode): the engine's cache becomes a ``DPCache`` whose
+    requests each live on one rank, every rank runs its own requests' rows (the model in "dp"
+    row mode) and the leader gathers their last hidden rows; the engine's batch limit becomes
+    ``dp`` x its own. A cache call carries its owner rank (None: every rank).
     """
 
-    def __init__(self, engine, link: LeaderLink, cp_prefill=None, cp_min_tokens: int = 1024):
-        self.engine, self.link = engine, link
+    def __init__(self, engine, link: LeaderLink, cp_prefill=None, cp_min_tokens: int = 1024, dp: int = 1):
+        self.engine, self.link, self.dp = engine, link, dp
         self.cp_prefill, self.cp_min_tokens = cp_prefill, cp_min_tokens
-        self.pending: list = []             # cache calls not yet sent: [op, args..., frame count]
+        self.pending: list = []             # cache calls not yet sent: [op, args..., owner rank]
         self.frames: list[bytes] = []
         self.cp_runs = 0
+        if dp > 1:
+            engine.cache = engine.scheduler.cache = DPCache(engine.cache, dp)
+            engine.limits = engine.scheduler.limits = dataclasses.replace(
+                engine.limits, batch_size=engine.limits.batch_size * dp)
         cache, model = engine.cache, engine.model
         alloc, free, load = cache.allocate, cache.free, engine.load_state
         fwd, logits = model.forward_batch, model.logits
+        owner = cache.rank_of if dp > 1 else (lambda _: None)
+
+        self.dp_placed = [0] * dp           # requests placed on each DP rank so far
 
         def allocate(seq_id, num_tokens):
+            new = dp > 1 and seq_id not in cache.owner
             held = alloc(seq_id, num_tokens)
-            self.pending.append(["alloc", seq_id, num_tokens])
+            if new:
+                self.dp_placed[cache.rank_of(seq_id)] += 1
+            self.pending.append(["alloc", seq_id, num_tokens, owner(seq_id)])
             return held
 
         def free_(seq_id):
+            r = owner(seq_id) if seq_id in cache.seqs else None
             free(seq_id)
-            self.pending.append(["free", seq_id])
+            self.pending.append(["free", seq_id, r])
 
         def load_state(request_id, tensors, layers=None):
-            load(request_id, tensors, layers)
-            metas = []
+            L = len(engine.reserved[request_id].prompt_ids)
+            r = owner(request_id)
+            if r is None:
+                load(request_id, tensors, layers)
+            else:                         # the owner's pools (a meta twin checks the shapes only)
+                try:
+                    load_state_tensors(cache.ranks[r], request_id, L, tensors, layers)
+                except ValueError as e:
+                    raise RequestError(f"state: {e}") from None
+                if r == 0:
+                    return
+            metas, frames = [], []
             for name, t in tensors.items():
                 meta, buf = encode(t)
                 metas.append([name, *meta])
-                self.frames.append(buf)
-            self.pending.append(["load", request_id, len(engine.reserved[request_id].prompt_ids), metas, layers])
+                frames.append(buf)
+            op = ["load", request_id, L, metas, layers, r]
+            if r is None:
+                self.pending.append(op)
+                self.frames += frames
+            else:                         # the bytes go to the owner only, after the calls before
+                self._send({"op": "cache"}, [])
+                self.link.send({"op": "cache", "cache": [op]}, frames, to=r)
 
         def forward(tokens, states, lengths, layer_hook=None):
+            if dp > 1:
+                return self._forward_dp(fwd, tokens, states, lengths, layer_hook)
             meta, buf = encode(tokens)
             self._send({"op": "forward", "seqs": self._seq_ids(states), "nums": [st.num_tokens for st in states],
                         "lengths": list(lengths), "tokens": meta}, [buf])
@@ -93,6 +130,33 @@ class Mirror:
         header["cache"], frames = self.pending, self.frames + frames
         self.pending, self.frames = [], []
         self.link.send(header, frames)
+
+    def _forward_dp(self, fwd, tokens, states, lengths, layer_hook) -> torch.Tensor:
+        """Each rank runs its own requests' rows; returns ``[T, H]`` with each sequence's last row
+        (the others zero: the engine reads only last rows)."""
+        if layer_hook is not None:
+            raise ValueError("attention DP serves decode: no layer hook")
+        m, cache = self.engine.model, self.engine.cache
+        seqs = self._seq_ids(states)
+        offs = [0]
+        for n in lengths:
+            offs.append(offs[-1] + n)
+        mine = [[i for i, sid in enumerate(seqs) if cache.rank_of(sid) == r] for r in range(self.dp)]
+        parts, frames = [], []
+        for r in range(1, self.dp):
+            idx = _rows(mine[r], offs)
+            meta, buf = encode(tokens[idx])
+            parts.append({"seqs": [seqs[i] for i in mine[r]], "nums": [states[i].num_tokens for i in mine[r]],
+                          "lengths": [lengths[i] for i in mine[r]], "tokens": meta})
+            frames.append(buf)
+        self._send({"op": "forward_dp", "parts": parts}, frames)
+        idx = _rows(mine[0], offs)
+        own = [lengths[i] for i in mine[0]]
+        last = _dp_forward(m, fwd, tokens[idx], [states[i] for i in mine[0]], own)
+        hidden = torch.zeros(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+        order = [i for r in range(self.dp) for i in mine[r]]
+        hidden[torch.tensor([offs[i + 1] - 1 for i in order], dtype=torch.long)] = last
+        return hidden
 
     def _use_cp(self, state, n: int) -> bool:
         """A prefill chunk that starts the prompt and is long enough to split over the CP ranks."""
@@ -159,33 +223,50 @@ def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
 def run_cp(engine, cp_prefill, tokens: torch.Tensor, seq_id) -> torch.Tensor:
     """Every rank: CP prefill of ``tokens`` (a whole prompt), then write the full state into this
     rank's pools for ``seq_id`` (already allocated). Returns the last hidden row ``[1, H]``."""
-    from engine.cache import load_state_tensors
     last, state = cp_prefill(engine.model, tokens, gather_hidden=False)
     n = tokens.shape[0]
     load_state_tensors(engine.cache, seq_id, n, sequence_state_tensors(state, n))
     return last
 
 
-def follow(engine, link: FollowerLink, cp_prefill=None) -> None:
+def _rows(seqs: list[int], offs: list[int]) -> torch.Tensor:
+    """Packed row indices of sequences ``seqs`` (``offs``: sequence start offsets + the end)."""
+    if not seqs:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(offs[i], offs[i + 1]) for i in seqs])
+
+
+def _dp_forward(model, fwd, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
+    """Every rank (attention DP): its own sequences (none: zero rows, still every collective),
+    then every rank's last rows, all ranks' in rank order ``[sum over ranks of sequences, H]``."""
+    from engine.parallel.comm import gather_rows
+    with model.parallel.rows("dp"):
+        h = fwd(tokens, states, lengths)
+    ends = torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1
+    return gather_rows(h[ends], model.parallel.groups["moe"])[0]
+
+
+def follow(engine, link: FollowerLink, cp_prefill=None, rank: int = 0) -> None:
     """A follower's loop: replay the leader's step messages until ``stop``.
 
     A ValueError from the model is the leader's too (same inputs, raised before any collective):
     logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
     which takes the instance out of routing (the leader sees the connection close).
     """
-    from engine.cache import load_state_tensors
     cache, model = engine.cache, engine.model
     while True:
         head, frames = link.recv()
         try:
             k = 0
             for op in head.get("cache", ()):
+                if op[-1] not in (None, rank):       # another DP rank's request
+                    continue
                 if op[0] == "alloc":
                     cache.allocate(op[1], op[2])
                 elif op[0] == "free":
                     cache.free(op[1])
                 elif op[0] == "load":
-                    _, rid, n, metas, layers = op
+                    _, rid, n, metas, layers, _ = op
                     tensors = {}
                     for name, *meta in metas:
                         tensors[name] = decode(meta, frames[k])
@@ -199,6 +280,11 @@ def follow(engine, link: FollowerLink, cp_prefill=None) -> None:
                     model.forward_batch(tokens, states, head["lengths"])
                 except ValueError as e:
                     log.warning("forward refused on every rank: %s", e)
+            elif kind == "forward_dp":
+                p = head["parts"][rank - 1]
+                states = [cache.sequence_state(s, n) for s, n in zip(p["seqs"], p["nums"])]
+                _dp_forward(model, model.forward_batch, decode(p["tokens"], frames[k + rank - 1]), states,
+                            p["lengths"])
             elif kind == "logits":
                 model.logits(decode(head["hidden"], frames[k]))
             elif kind == "cp":
