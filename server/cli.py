@@ -186,9 +186,15 @@ def run_worker(args) -> int:
             _die(f"launch-pd: --cpu-threads: {args.cpu_threads} must be >= 1")
         import torch
         torch.set_num_threads(args.cpu_threads)
+    renv = _ranks(args, cfg) if cfg.parallel_config.world_size > 1 else None
     platform = _platform(args.device)
+    spec = args.device if args.device is not None else os.environ.get("DSV4_DEVICE", "auto")
+    if renv is not None and platform.kind != "cpu" and ":" not in spec:
+        platform = _platform(f"{platform.kind}:{renv.local_rank}")     # one device per local rank
     platform.activate()
-    renv = _ranks(args, cfg, platform) if cfg.parallel_config.world_size > 1 else None
+    if renv is not None:
+        from server.ranks import init_distributed
+        init_distributed(renv, platform.kind, args.dist_timeout_s)
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
@@ -235,10 +241,10 @@ def run_worker(args) -> int:
     return 1 if worker.rank_failure else 0
 
 
-def _ranks(args, cfg, platform):
+def _ranks(args, cfg):
     """This process's rank (``server.ranks``); rank 0 of a node starts the node's others. Exits 2
     on a bad flag / variable."""
-    from server.ranks import RankError, init_distributed, rank_env, spawn_ranks
+    from server.ranks import RankError, rank_env, spawn_ranks
     if not 0.1 <= args.rank_timeout_s <= 3600:
         _die(f"launch-pd: --rank-timeout-s: {args.rank_timeout_s} must be in [0.1, 3600] seconds")
     if not 1 <= args.dist_timeout_s <= 86400:
@@ -251,7 +257,6 @@ def _ranks(args, cfg, platform):
     if renv.spawn:
         args.children = spawn_ranks(renv, args.argv)
     log.info("rank %d of %d (leader %s:%d)", renv.rank, renv.world_size, renv.master_addr, renv.master_port)
-    init_distributed(renv, platform.kind, args.dist_timeout_s)
     return renv
 
 
