@@ -2,10 +2,11 @@
 
 The leader is the ordinary prefill / decode worker plus a ``Mirror`` of its engine calls to the
 followers. When a rank is lost (its process exits, its connection closes, or it misses
-heartbeats for ``--rank-timeout-s``) the leader stops being ready at once, fails the samples in
-flight (503) and exits with status 1, so the gateway drops the instance within
-``rank_timeout_s`` + one ping; a leader stuck in a collective with the dead rank is ended
-``rank_timeout_s`` later by a watchdog. A follower exits when the leader goes away.
+heartbeats for ``--rank-timeout-s``) the leader stops being ready at once and exits with status
+1 after its current step, so the gateway sees a killed worker (samples before token #1 retried
+elsewhere, later ones ended with an error event); a leader stuck in a collective with the dead
+rank is ended 1 s later by a watchdog. A follower exits when the leader goes
+away.
 """
 from __future__ import annotations
 
@@ -88,8 +89,9 @@ class LeaderRanks:
         log.error("rank lost: %s; the instance leaves routing", reason)
         if self.worker is not None:
             self.worker.rank_lost(reason)
-        # a leader blocked in a collective with the dead rank cannot run its loop: end it
-        threading.Timer(self.timeout_s + 2.0, lambda: os._exit(1)).start()
+        # a leader blocked in a collective with the dead rank (gloo does not always see a closed
+        # peer at once) cannot run its loop: end it after a short grace
+        threading.Timer(1.0, lambda: os._exit(1)).start()
 
     def close(self) -> None:
         self.closing = True

@@ -179,12 +179,13 @@ class Worker:
             log.info("%s: draining (up to %g s)", self.role, self._drain_deadline - time.monotonic())
 
     def rank_lost(self, reason: str) -> None:
-        """A rank of this instance is gone: not ready from now on; the loop fails the samples in
-        flight (503) and ends. Any thread."""
+        """A rank of this instance is gone: not ready from now on, and the loop ends after its
+        current step without answering more (the process then exits, so the gateway handles the
+        samples in flight as a killed worker's: retried elsewhere before token #1, an error event
+        after). Any thread."""
         self.rank_failure = reason
         self.ready = False
-        self.draining = True
-        self._drain_deadline = 0.0
+        self.stop.set()
         self.wake()
 
     def _bad_request(self, what: str) -> None:
@@ -296,9 +297,7 @@ class Worker:
                 self.tick()
                 if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
                     if self.busy():
-                        why = (f"a rank of the {self.role} instance was lost ({self.rank_failure})"
-                               if self.rank_failure else f"the {self.role} worker shut down (drain deadline)")
-                        self.abort_all(503, why)
+                        self.abort_all(503, f"the {self.role} worker shut down (drain deadline)")
                     # let the gateway read our last replies (final tokens, errors) before we
                     # disconnect: its DEALER drops unread messages of a connection that went away
                     time.sleep(0.3)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -68,6 +69,16 @@ def _serve(client, n: int, seed: int, reference) -> None:
     assert r.choices[0].model_extra["token_ids"] == want[0].output_ids
 
 
+def _stream(client, seed: int, outcome: list) -> None:
+    try:
+        for _ in client.completions.create(model="deepseek_v4", prompt=rand_prompt(30, seed), max_tokens=48,
+                                           temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+            pass
+        outcome.append("done")
+    except Exception as e:                # noqa: BLE001 - the outcome is what the test checks
+        outcome.append(f"{type(e).__name__}: {e}")
+
+
 def test_a_lost_rank_takes_its_instance_out_and_the_gateway_serves_through_the_others(ckpt, reference, tmp_path):
     pd = start_pd(ckpt, tmp_path / "pd.log", num_prefill=2, num_decode=2,
                   flags=["--worker-timeout-s", "2", "--rank-timeout-s", "2"],
@@ -76,11 +87,21 @@ def test_a_lost_rank_takes_its_instance_out_and_the_gateway_serves_through_the_o
     try:
         for i in range(4):
             _serve(client, 40 + i, i, reference)
-        # kill -9 a follower: its leader leaves (exits 1) within the rank timeout and a bit
+        # kill -9 a follower while streams run: its leader leaves (exits 1) within the rank timeout
+        # and a bit; every stream ends (all its tokens, or an error event), none hangs
+        outcome: list[str] = []
+        streams = [threading.Thread(target=_stream, args=(client, 80 + i, outcome)) for i in range(4)]
+        for t in streams:
+            t.start()
+        time.sleep(1.0)
         follower = _health(pd, "decode0")["parallel"]["ranks"][1]["pid"]
         os.kill(follower, signal.SIGKILL)
         took = _wait(lambda: pd.procs["decode0"].poll() is not None, 20, "decode0's leader exits")
         assert pd.procs["decode0"].returncode == 1
+        for t in streams:
+            t.join(60)
+        assert not any(t.is_alive() for t in streams) and len(outcome) == 4, outcome
+        assert all(o == "done" or "disconnected" in o for o in outcome), outcome
         # kill -9 a leader: its follower exits too (no orphan holding the devices)
         follower = _health(pd, "prefill0")["parallel"]["ranks"][1]["pid"]
         pd.signal("prefill0", signal.SIGKILL)
@@ -88,6 +109,6 @@ def test_a_lost_rank_takes_its_instance_out_and_the_gateway_serves_through_the_o
         for i in range(6):
             _serve(client, 60 + i, 10 + i, reference)
         wait_idle(pd, ["prefill1", "decode1"])
-        print(f"decode0 left {took:.2f} s after its rank 1 was killed")
+        print(f"decode0 left {took:.2f} s after its rank 1 was killed; streams: {outcome}")
     finally:
         pd.stop()
