@@ -61,8 +61,12 @@ def _worker(rank, world, port, ckpt, refdir, outdir, combined):
     if combined:
         from engine.parallel.shard import apply_parallel
         from engine.run_config import ParallelConfig
-        apply_parallel(model, ParallelConfig(world_size=2, cp_size=2, lmhead_tp_size=2, embed_tp_size=2,
-                                             o_proj_tp_size=2), rank)      # + EP 2 (moe_tp_size 1)
+        if world == 2:      # + EP 2 (moe_tp_size 1)
+            pc = ParallelConfig(world_size=2, cp_size=2, lmhead_tp_size=2, embed_tp_size=2, o_proj_tp_size=2)
+        else:               # EP 2 x MoE-TP 2
+            pc = ParallelConfig(world_size=4, cp_size=4, moe_tp_size=2, lmhead_tp_size=4, embed_tp_size=2,
+                                o_proj_tp_size=2)
+        apply_parallel(model, pc, rank)
     for L in LENGTHS:
         ref = load_file(f"{refdir}/ref-{L}.safetensors")
         hidden, state = cp_prefill(model, _tokens(L))
@@ -147,6 +151,6 @@ def test_cp_prefill_matches_forward(ref, tmp_path, world):
     _run(ref, tmp_path, world)
 
 
-def test_cp_prefill_with_ep_and_lmhead_tp(ref, tmp_path):
-    pytest.importorskip("engine.parallel.shard")
-    _run(ref, tmp_path, 2, combined=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_prefill_with_ep_and_tp(ref, tmp_path, world):
+    _run(ref, tmp_path, world, combined=True)
