@@ -133,7 +133,7 @@ def _load_config(args):
     try:
         return RunConfig.from_yaml(args.config)
     except ConfigError as e:
-        _die(f"launch-pd: {args.config}: {e}")
+        _die(f"launch-pd: {e}")            # the message starts with the file path
 
 
 def _platform(name: str | None):
@@ -193,8 +193,7 @@ def run_worker(args) -> int:
         platform = _platform(f"{platform.kind}:{renv.local_rank}")     # one device per local rank
     platform.activate()
     if renv is not None:
-        from server.ranks import init_distributed
-        init_distributed(renv, platform.kind, args.dist_timeout_s)
+        _meet(args, cfg, renv, platform)
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
@@ -241,10 +240,30 @@ def run_worker(args) -> int:
     return 1 if worker.rank_failure else 0
 
 
+def _meet(args, cfg, renv, platform) -> None:
+    """Rendezvous with the instance's other ranks and check they run the same config; exits 2
+    naming the flag or the ranks that differ (then at once: the others may be blocked)."""
+    from server.ranks import RankError, check_same_config, init_distributed
+    try:
+        init_distributed(renv, platform.kind, args.dist_timeout_s)
+    except RuntimeError as e:
+        _die(f"launch-pd: --master-port / MASTER_PORT: the torch.distributed rendezvous at {renv.master_addr}:"
+             f"{renv.master_port} failed ({str(e).splitlines()[0][:200]}); each instance on a node needs its own "
+             f"--master-port (and --rank-port)")
+    run = cfg.to_dict()
+    run["model_config"].pop("model_path", None)
+    config_json = Path(args.model or cfg.model_config.model_path) / "config.json"
+    try:
+        check_same_config(run, config_json.read_bytes() if config_json.is_file() else b"")
+    except RankError as e:
+        print(f"launch-pd: rank {renv.rank}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+
 def _ranks(args, cfg):
     """This process's rank (``server.ranks``); rank 0 of a node starts the node's others. Exits 2
     on a bad flag / variable."""
-    from server.ranks import RankError, rank_env, spawn_ranks
+    from server.ranks import RankError, rank_env, spawn_ranks, watch_children
     if not 0.1 <= args.rank_timeout_s <= 3600:
         _die(f"launch-pd: --rank-timeout-s: {args.rank_timeout_s} must be in [0.1, 3600] seconds")
     if not 1 <= args.dist_timeout_s <= 86400:
@@ -254,8 +273,14 @@ def _ranks(args, cfg):
                         args.master_addr, args.master_port, args.rank_port)
     except RankError as e:
         _die(f"launch-pd: {e}")
+    # SIGTERM / SIGINT while the ranks meet and load: a process blocked in a rendezvous cannot run
+    # a Python handler, so the default action (end now); the worker installs its drain later
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    args.rank_handler = {}
     if renv.spawn:
         args.children = spawn_ranks(renv, args.argv)
+        watch_children(args.children, args.rank_handler)
     log.info("rank %d of %d (leader %s:%d)", renv.rank, renv.world_size, renv.master_addr, renv.master_port)
     return renv
 

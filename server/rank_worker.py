@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+
+import zmq
 
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
 from engine.parallel.mirror import Mirror, cache_layout, follow
@@ -37,8 +40,14 @@ class LeaderRanks:
         self.renv, self.timeout_s = renv, args.rank_timeout_s
         self.children = getattr(args, "children", {})
         secret = args.cluster_secret_value
-        self.link = LeaderLink(renv.master_addr, renv.rank_port, renv.world_size, args.rank_timeout_s,
-                               secure=(lambda s: secure_server(s, secret)) if secret else None)
+        self.handler = args.rank_handler
+        try:
+            self.link = LeaderLink(renv.master_addr, renv.rank_port, renv.world_size, args.rank_timeout_s,
+                                   secure=(lambda s: secure_server(s, secret)) if secret else None)
+        except zmq.ZMQError as e:
+            print(f"launch-pd: --rank-port: cannot listen on {renv.master_addr}:{renv.rank_port} ({e})",
+                  file=sys.stderr, flush=True)
+            os._exit(2)
         try:
             self.link.wait_followers(cache_layout(engine), args.dist_timeout_s)
         except LinkError as e:
@@ -60,8 +69,9 @@ class LeaderRanks:
         """Watch the ranks on behalf of ``worker`` (its ``rank_lost`` is called once)."""
         self.worker = worker
         worker.parallel_info = self.info
-        watch(self.link.sock, self.link.ctx, self._lost, "leader")
-        threading.Thread(target=self._watch_children, name="rank-children", daemon=True).start()
+        watch(self.link.sock, self.link.ctx, self._lost, "leader", fds=self.link.fds)
+        self.mirror.on_failure = self._lost
+        self.handler["lost"] = self._lost             # spawned ranks (server.ranks.watch_children)
 
     def info(self) -> dict:
         """For /health: the layout and every rank's process."""
@@ -73,14 +83,6 @@ class LeaderRanks:
         if m.dp > 1:
             out["dp_requests_total"] = m.dp_placed
         return out
-
-    def _watch_children(self) -> None:
-        while not self.closing and self.lost is None:
-            for r, p in self.children.items():
-                if p.poll() is not None:
-                    self._lost(f"rank {r} (pid {p.pid}) exited with status {p.returncode}")
-                    return
-            time.sleep(0.1)
 
     def _lost(self, reason: str) -> None:
         if self.closing or self.lost is not None:
@@ -116,7 +118,7 @@ def start_leader(engine, renv, args, cfg, prefill: bool) -> LeaderRanks:
 def run_follower(engine, renv, args, cfg) -> int:
     """Replay the leader's steps until it says stop (0) or goes away (1)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # Ctrl-C: the leader drains and stops us
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)         # end now, even inside a collective
     try:
         secret = args.cluster_secret_value
         link = FollowerLink(renv.master_addr, renv.rank_port, renv.rank, cache_layout(engine), args.rank_timeout_s,

@@ -11,14 +11,20 @@ Rank 0 is the leader (the worker the gateway talks to); the others follow it
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
+import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from server.launcher import _term_with_parent
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+log = logging.getLogger(__name__)
 
 
 class RankError(ValueError):
@@ -102,3 +108,37 @@ def init_distributed(env: RankEnv, device_kind: str, timeout_s: float) -> None:
     dist.init_process_group(BACKENDS.get(device_kind, "gloo"), init_method=f"tcp://{env.master_addr}:{env.master_port}",
                             rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def watch_children(procs: dict[int, subprocess.Popen], handler: dict) -> None:
+    """From a daemon thread: the first spawned rank that exits calls ``handler["lost"](reason)``,
+    or, while there is none yet (starting up: the leader may be blocked in a rendezvous that will
+    never complete), ends this process at once (status 1)."""
+    def run():
+        while True:
+            for r, p in procs.items():
+                if p.poll() is not None:
+                    reason = f"rank {r} (pid {p.pid}) exited with status {p.returncode}"
+                    if handler.get("lost") is None:
+                        log.error("%s while the instance started; exiting", reason)
+                        os._exit(1)
+                    handler["lost"](reason)
+                    return
+            time.sleep(0.1)
+    threading.Thread(target=run, name="rank-children", daemon=True).start()
+
+
+def check_same_config(run_config: dict, ckpt_config: bytes) -> None:
+    """Every rank has the same run config (paths aside) and checkpoint config.json; call right
+    after ``init_distributed`` (ranks that disagree would otherwise hang in their first sharding
+    collective). Raises RankError naming the ranks that differ from rank 0."""
+    import torch
+    import torch.distributed as dist
+    digest = hashlib.sha256(json.dumps(run_config, sort_keys=True, default=str).encode() + ckpt_config).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    bad = [r for r, d in enumerate(every) if not torch.equal(d, every[0])]
+    if bad:
+        raise RankError(f"ranks {bad} have another run config or checkpoint config.json than rank 0 "
+                        f"(every rank of an instance needs the same --config and checkpoint)")

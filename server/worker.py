@@ -305,7 +305,10 @@ class Worker:
                     return
                 stepped = self.engine.has_unfinished()
                 if stepped:
-                    self.on_outputs(self.engine.step())
+                    outs = self.engine.step()
+                    if self.rank_failure is not None:   # a rank was lost in the step: say nothing more
+                        return
+                    self.on_outputs(outs)
                 now = time.monotonic()
                 if now - last_gauges > 0.1:
                     self._update_gauges()

@@ -267,3 +267,52 @@ def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(ref
         dp.free(f"r{i}")
     dp.free("unknown")
     assert dp.num_free() == dp.num_total() and dp.owner == {}
+
+
+def test_only_a_followers_connection_counts_as_a_lost_rank():
+    import socket
+    import time
+
+    from engine.parallel.link import watch
+    port = free_port()
+    leader = LeaderLink("127.0.0.1", port, 2, timeout_s=1)
+    box = {}
+    th = threading.Thread(target=lambda: box.update(f=FollowerLink("127.0.0.1", port, 1, {}, timeout_s=1)))
+    th.start()
+    leader.wait_followers({}, startup_s=10)
+    th.join()
+    lost = []
+    watch(leader.sock, leader.ctx, lost.append, "leader", fds=leader.fds)
+    for _ in range(3):                                     # a port scan / health probe
+        socket.create_connection(("127.0.0.1", port)).close()
+    time.sleep(0.5)
+    assert lost == []
+    box["f"].close()
+    end = time.monotonic() + 5
+    while not lost and time.monotonic() < end:
+        time.sleep(0.05)
+    assert lost == ["leader: the connection to rank 1 closed"]
+    leader.close()
+
+
+def test_ranks_with_different_configs_exit_naming_them(ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    other = tmp_path / "other.yaml"
+    other.write_text(open("configs/tiny-flash-2rank-decode.yaml").read().replace("o_proj_tp_size: 2",
+                                                                                  "o_proj_tp_size: 1"))
+    port = free_port()
+    procs = []
+    for rank, config in ((0, "configs/tiny-flash-2rank-decode.yaml"), (1, str(other))):
+        env = dict(__import__("os").environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "server.cli", "--role", "decode", "--config", config,
+                                       "--model", ckpt, "--device", "cpu", "--port", str(free_port()),
+                                       "--http-port", "0", "--state-port", str(free_port()),
+                                       "--rank-port", str(free_port()), "--cpu-threads", "1"],
+                                      env=env, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err[-2000:]
+        assert "ranks [1] have another run config or checkpoint config.json than rank 0" in err

@@ -54,8 +54,10 @@ def _heartbeat(sock: zmq.Socket, timeout_s: float) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout_s * 1000))
 
 
-def watch(sock: zmq.Socket, ctx: zmq.Context, on_lost: Callable[[str], None], name: str) -> threading.Thread:
-    """Call ``on_lost(reason)`` (once, from a daemon thread) when a connection of ``sock`` closes."""
+def watch(sock: zmq.Socket, ctx: zmq.Context, on_lost: Callable[[str], None], name: str,
+          fds: dict[int, int] | None = None) -> threading.Thread:
+    """Call ``on_lost(reason)`` (once, from a daemon thread) when a connection of ``sock`` closes;
+    ``fds`` {file descriptor: rank}: only those connections count (a port scan's does not)."""
     addr = f"inproc://rank-monitor-{id(sock)}"
     sock.monitor(addr, zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
 
@@ -65,8 +67,11 @@ def watch(sock: zmq.Socket, ctx: zmq.Context, on_lost: Callable[[str], None], na
         try:
             while True:
                 ev = recv_monitor_message(mon)
+                if ev["event"] == zmq.EVENT_DISCONNECTED and fds is not None and ev["value"] not in fds:
+                    continue
                 if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    on_lost(f"{name}: the connection to {ev.get('endpoint', b'?')!r} closed")
+                    who = f"rank {fds[ev['value']]}" if fds else repr(ev.get("endpoint", b"?"))
+                    on_lost(f"{name}: the connection to {who} closed")
                     return
         except zmq.ZMQError:              # context terminated: we are shutting down
             return
@@ -95,6 +100,7 @@ class LeaderLink:
         self.sock.bind(f"tcp://{host}:{port}")
         self.peers: dict[int, bytes] = {}
         self.hellos: dict[int, dict] = {}
+        self.fds: dict[int, int] = {}     # a follower's connection (file descriptor) -> its rank
 
     def wait_followers(self, expect: dict, startup_s: float) -> None:
         """Collect every follower's hello; each must report ``expect`` (cache layout). Raises
@@ -105,21 +111,22 @@ class LeaderLink:
             if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 missing = sorted(set(range(1, self.world_size)) - set(self.peers))
                 raise LinkError(f"ranks {missing} did not connect within {startup_s:g} s")
-            parts = self.sock.recv_multipart()
+            parts = self.sock.recv_multipart(copy=False)
             try:
-                hello = msgpack.unpackb(parts[1]) if len(parts) == 2 else None
+                hello = msgpack.unpackb(parts[1].bytes) if len(parts) == 2 else None
             except ValueError:
                 hello = None
             if not isinstance(hello, dict):
                 log.warning("step channel: dropped a message that is not a hello")
                 continue
-            ident, r = parts[0], hello.get("rank")
+            ident, r = parts[0].bytes, hello.get("rank")
             if not isinstance(r, int) or not 0 < r < self.world_size or r in self.peers:
                 raise LinkError(f"bad hello from a follower: rank {r!r}")
             if hello.get("layout") != expect:
                 raise LinkError(f"rank {r}: its layout {hello.get('layout')} differs from the leader's {expect} "
                                 f"(same config, checkpoint and scheduler_config on every rank?)")
             self.peers[r], self.hellos[r] = ident, hello
+            self.fds[parts[1].get(zmq.SRCFD)] = r
         for ident in self.peers.values():
             self.sock.send_multipart([ident, msgpack.packb({"op": "welcome"})])
 

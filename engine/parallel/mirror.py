@@ -12,7 +12,9 @@ broadcasts its scheduler output the same way).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 
@@ -27,10 +29,15 @@ log = logging.getLogger(__name__)
 
 
 def cache_layout(engine) -> dict:
-    """What every rank's state pools must agree on (exchanged in the hello)."""
-    c = engine.cache.config
+    """What every rank must agree on (exchanged in the hello): the state pools, and a digest of
+    weights no layout shards (final norm, layer 0's attention query-down projection and the last
+    layer's router), so a rank loaded from another checkpoint is refused."""
+    c, m = engine.cache.config, engine.model
+    h = hashlib.sha256()
+    for t in (m.norm.weight, m.layers[0].attn.wq_a.weight, m.layers[-1].ffn.gate.weight):
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return {"block_size": c.block_size, "max_seqs": c.max_seqs, "num_blocks": dict(sorted(c.num_blocks.items())),
-            "next_n": c.next_n, "dtype": str(engine.model.dtype)}
+            "next_n": c.next_n, "dtype": str(m.dtype), "weights": h.hexdigest()[:16]}
 
 
 class Mirror:
@@ -109,18 +116,36 @@ class Mirror:
 
         def forward_batch(tokens, states, lengths, layer_hook=None):
             cp = [i for i, (st, n) in enumerate(zip(states, lengths)) if self._use_cp(st, n)]
-            if not cp:
-                return forward(tokens, states, lengths, layer_hook)
-            return self._with_cp(forward, cp, tokens, states, lengths, layer_hook)
+            with self._failing("forward"):
+                if not cp:
+                    return forward(tokens, states, lengths, layer_hook)
+                return self._with_cp(forward, cp, tokens, states, lengths, layer_hook)
 
         def logits_(hidden):
-            meta, buf = encode(hidden)
-            self._send({"op": "logits", "hidden": meta}, [buf])
-            return logits(hidden)
+            with self._failing("logits"):
+                meta, buf = encode(hidden)
+                self._send({"op": "logits", "hidden": meta}, [buf])
+                return logits(hidden)
 
         self._fwd, self._logits = fwd, logits
         cache.allocate, cache.free, engine.load_state = allocate, free_, load_state
         model.forward_batch, model.logits = forward_batch, logits_
+
+    on_failure = None                     # (reason) -> None: a step failed on some rank
+
+    @contextlib.contextmanager
+    def _failing(self, what: str):
+        """A step that raises other than ValueError (a collective with a lost rank, a gone
+        follower) fails the instance before the engine sees it, so its samples are not reported
+        as finished (``on_failure``: the worker stops answering and exits)."""
+        try:
+            yield
+        except ValueError:
+            raise
+        except Exception as e:
+            if self.on_failure is not None:
+                self.on_failure(f"{what} failed: {type(e).__name__}: {str(e)[:200]}")
+            raise
 
     def _seq_ids(self, states) -> list:
         by_held = {id(h): sid for sid, h in self.engine.cache.seqs.items()}
