@@ -400,21 +400,29 @@ def state_tensors(cache: PagedCache, seq_id, num_tokens: int, layers: Iterable[i
             continue
         n = min(num_tokens, layer.window - 1)
         pos = torch.arange(num_tokens - n, num_tokens, device=layer.win_pool.device)
-        out[f"layers.{l}.win_kv"] = layer.win_pool[layer._ring_rows(pos)]
-        for name in ("cmp_kv", "idx_kv"):
-            ent = getattr(layer, name)
-            if ent is not None:
-                out[f"layers.{l}.{name}"] = ent.view()
-        for name in ("comp", "idx_comp"):
-            comp = getattr(layer, name)
-            if comp is None:
-                continue
-            m = comp.kv.shape[0]
-            out[f"layers.{l}.{name}.kv"] = comp.kv[: num_tokens % m].clone()
-            out[f"layers.{l}.{name}.score"] = comp.score[: num_tokens % m].clone()
-            if comp.prev_kv is not None and num_tokens >= m:
-                out[f"layers.{l}.{name}.prev_kv"] = comp.prev_kv.clone()
-                out[f"layers.{l}.{name}.prev_score"] = comp.prev_score.clone()
+        out.update(layer_state_tensors(l, layer, layer.win_pool[layer._ring_rows(pos)], num_tokens))
+    return out
+
+
+def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+    """Layer ``l``'s ``state_tensors`` entries from a ``PagedLayerState`` or a contiguous
+    ``engine.state.LayerState`` (same attributes) after ``num_tokens`` tokens; ``win_kv``: its
+    window rows, positions L-n .. L-1. Entries are ``view()`` results, remainders copies."""
+    out = {f"layers.{l}.win_kv": win_kv}
+    for name in ("cmp_kv", "idx_kv"):
+        ent = getattr(layer, name)
+        if ent is not None:
+            out[f"layers.{l}.{name}"] = ent.view()
+    for name in ("comp", "idx_comp"):
+        comp = getattr(layer, name)
+        if comp is None:
+            continue
+        m = comp.kv.shape[0]
+        out[f"layers.{l}.{name}.kv"] = comp.kv[: num_tokens % m].clone()
+        out[f"layers.{l}.{name}.score"] = comp.score[: num_tokens % m].clone()
+        if comp.prev_kv is not None and num_tokens >= m:
+            out[f"layers.{l}.{name}.prev_kv"] = comp.prev_kv.clone()
+            out[f"layers.{l}.{name}.prev_score"] = comp.prev_score.clone()
     return out
 
 

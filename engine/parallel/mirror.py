@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from engine.cache import load_state_tensors
+from engine.cache import layer_state_tensors, load_state_tensors
 from engine.llm_engine import RequestError
 from engine.parallel.dp_cache import DPCache
 from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
@@ -227,21 +227,8 @@ def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
     for l, layer in enumerate(st.layers):
         W = layer.win_kv.shape[0]
         n = min(num_tokens, W - 1)
-        out[f"layers.{l}.win_kv"] = layer.win_kv[torch.arange(num_tokens - n, num_tokens) % W].clone()
-        for name in ("cmp_kv", "idx_kv"):
-            buf = getattr(layer, name)
-            if buf is not None:
-                out[f"layers.{l}.{name}"] = buf.view().clone()
-        for name in ("comp", "idx_comp"):
-            comp = getattr(layer, name)
-            if comp is None:
-                continue
-            m = comp.kv.shape[0]
-            out[f"layers.{l}.{name}.kv"] = comp.kv[: num_tokens % m].clone()
-            out[f"layers.{l}.{name}.score"] = comp.score[: num_tokens % m].clone()
-            if comp.prev_kv is not None and num_tokens >= m:
-                out[f"layers.{l}.{name}.prev_kv"] = comp.prev_kv.clone()
-                out[f"layers.{l}.{name}.prev_score"] = comp.prev_score.clone()
+        win = layer.win_kv[torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W]
+        out.update(layer_state_tensors(l, layer, win, num_tokens))
     return out
 
 
