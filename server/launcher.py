@@ -32,6 +32,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def stop_processes(procs, timeout_s: float) -> None:
+    """SIGTERM every process still running, wait up to ``timeout_s`` each, then SIGKILL."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _rank_ports() -> list[str]:
     return ["--master-port", str(free_port()), "--rank-port", str(free_port())]
 
@@ -148,15 +162,7 @@ class LocalPD:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(self.procs.values(), 15)
         if getattr(self, "_log", None):
             self._log.close()
             self._log = None

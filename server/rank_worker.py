@@ -22,6 +22,7 @@ import zmq
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
 from engine.parallel.mirror import Mirror, cache_layout, follow
 from kvtransfer.secure import secure_client, secure_server, stop_authenticator
+from server.launcher import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,7 @@ class LeaderRanks:
             self.mirror.stop()
         time.sleep(0.1)
         self.link.close(stop_authenticator)
-        for p in self.children.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.children.values():
-            try:
-                p.wait(10)
-            except Exception:             # noqa: BLE001
-                p.kill()
+        stop_processes(self.children.values(), 10)
 
 
 def start_leader(engine, renv, args, cfg, prefill: bool) -> LeaderRanks:

@@ -67,15 +67,15 @@ class DPCache:
 
     def num_free(self) -> dict[str, int]:
         """Free blocks per pool, summed over the ranks."""
-        out: dict[str, int] = {}
-        for c in self.ranks:
-            for k, v in c.num_free().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return _sum(c.num_free() for c in self.ranks)
 
     def num_total(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for c in self.ranks:
-            for k, v in c.num_total().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return _sum(c.num_total() for c in self.ranks)
+
+
+def _sum(counts) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in counts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
