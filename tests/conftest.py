@@ -8,6 +8,18 @@ import pytest
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.tiny import make_tiny
+from server.launcher import log_tail
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's process logs (``*.log`` under its tmp_path) go into its report: CI shows
+    only the report, and the logs say why a worker went away."""
+    rep = (yield).get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if rep.failed and tmp is not None:
+        for f in sorted(tmp.rglob("*.log")):
+            rep.sections.append((f"log tail: {f.name}", log_tail(f, 60)))
 
 
 @pytest.fixture(scope="session")
