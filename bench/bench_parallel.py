@@ -6,7 +6,8 @@ world 1, 2 (and 4), the cores split evenly over the ranks.
 Prefill: one prompt, world 1 ``Transformer.forward`` vs world N ``cp_prefill`` (CP N + EP N +
 LM-head TP N). Decode: ``batch`` single-token rows at ``context`` tokens of history, world 1 one
 ``forward_batch`` vs world N attention DP (each rank batch/N rows, EP N + LM-head TP N), logits
-included. Medians of ``--repeat`` runs. On a CPU the ranks share the socket's memory bandwidth:
+included. Load: seconds and parameter MiB a rank holds (world N shards before reading, so a rank
+reads and keeps only its experts / vocab slice). Medians of ``--repeat`` runs. On a CPU the ranks share the socket's memory bandwidth:
 the figures show the collectives' cost and the split's balance, not an accelerator's scaling.
 """
 from __future__ import annotations
@@ -39,9 +40,12 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     from engine.parallel.shard import apply_parallel
     from engine.run_config import ParallelConfig
     from engine.weights import load_model
-    model = load_model(args.ckpt, dtype=torch.float32, device="cpu", progress=False)
-    if world > 1:
-        apply_parallel(model, ParallelConfig(world_size=world, cp_size=world, lmhead_tp_size=world), rank)
+    pc = ParallelConfig(world_size=world, cp_size=world, lmhead_tp_size=world)
+    t = time.perf_counter()                           # sharded before loading: each rank reads its shard
+    model = load_model(args.ckpt, dtype=torch.float32, device="cpu", progress=False,
+                       shard=(lambda m: apply_parallel(m, pc, rank)) if world > 1 else None)
+    load_s = time.perf_counter() - t
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 60000, (args.prompt,), generator=g)
     pre = []
@@ -72,7 +76,8 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             model.logits(h)
         dec.append(time.perf_counter() - t)
     if rank == 0:
-        Path(out).write_text(json.dumps({"prefill_s": statistics.median(pre),
+        Path(out).write_text(json.dumps({"load_s": load_s, "params_mib": held / 2 ** 20,
+                                         "prefill_s": statistics.median(pre),
                                          "decode_ms": 1000 * statistics.median(dec)}))
 
 
@@ -98,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(_worker, (w, free_port(), args, out), nprocs=w, join=True)
         rows.append((w, json.loads(Path(out).read_text())))
     base = rows[0][1]
-    print(f"{'world':>5} {'threads/rank':>12} {'prefill ' + str(args.prompt) + ' s':>14} {'x':>5} "
-          f"{'decode b' + str(args.batch) + ' ms':>14} {'x':>5}")
+    print(f"{'world':>5} {'threads/rank':>12} {'load s':>7} {'params MiB/rank':>15} "
+          f"{'prefill ' + str(args.prompt) + ' s':>14} {'x':>5} {'decode b' + str(args.batch) + ' ms':>14} {'x':>5}")
     for w, r in rows:
-        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['prefill_s']:>14.2f} "
-              f"{base['prefill_s'] / r['prefill_s']:>5.2f} {r['decode_ms']:>14.1f} {base['decode_ms'] / r['decode_ms']:>5.2f}")
+        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['load_s']:>7.2f} {r['params_mib']:>15.1f} "
+              f"{r['prefill_s']:>14.2f} {base['prefill_s'] / r['prefill_s']:>5.2f} "
+              f"{r['decode_ms']:>14.1f} {base['decode_ms'] / r['decode_ms']:>5.2f}")
     return 0
 
 

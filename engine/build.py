@@ -97,18 +97,21 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         check_platform_version(cfg, plat.platform_version)
     elif ex.limit_core:
         log.info("custom_params.enable_limit_core: Ascend A3 only; no effect on %s", plat.kind)
-    model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
-                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress)
-    cfg.check_model(model.args)
-    if plat.kind == "npu":
-        check_min_ranks(cfg, model.args, cfg.model_config.platform_version or plat.platform_version)
     pc = cfg.parallel_config
-    if pc.world_size > 1:
-        if ex.graph:
-            raise ConfigError(f"model_config.exe_mode: a multi-rank instance (world_size {pc.world_size}) runs "
-                              f"eager for now, got {cfg.model_config.exe_mode!r}")
-        from engine.parallel.shard import apply_parallel
-        apply_parallel(model, pc, rank)
+    if pc.world_size > 1 and ex.graph:
+        raise ConfigError(f"model_config.exe_mode: a multi-rank instance (world_size {pc.world_size}) runs "
+                          f"eager for now, got {cfg.model_config.exe_mode!r}")
+
+    def check(model) -> None:
+        cfg.check_model(model.args)
+        if plat.kind == "npu":
+            check_min_ranks(cfg, model.args, cfg.model_config.platform_version or plat.platform_version)
+        if pc.world_size > 1:            # shard before loading: a rank reads and holds its shard only
+            from engine.parallel.shard import apply_parallel
+            apply_parallel(model, pc, rank)
+
+    model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
+                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
     engine = _size(cfg, model, path)
     if graph and ex.graph:

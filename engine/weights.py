@@ -17,6 +17,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from engine.checkpoint import LinearSpec, TensorSpec, checkpoint_layout, linear_tensors, model_linears
 from engine.config import ModelArgs
+from engine.model.layers import deferred_params, materialize
 from engine.model.transformer import Transformer
 from engine.ops import REFERENCE, Ops
 from engine.hif8 import hif8_decode
@@ -207,6 +209,28 @@ class ShardReader:
         self.handles.clear()
 
 
+def _local(target: torch.Tensor, idx: int | None) -> tuple[torch.Tensor, tuple] | None:
+    """Where this rank keeps checkpoint tensor ``target[idx]`` (``idx``: a stacked expert) of a
+    model sharded before loading (``shard_cuts``: (dim, first, length) of the full tensor each
+    kept; ``engine.parallel.shard``): (destination, cuts of the stored tensor), or None when the
+    rank keeps none of it (another EP shard's expert)."""
+    cuts = getattr(target, "shard_cuts", ())
+    if idx is not None:
+        first, n = next(((lo, n) for d, lo, n in cuts if d == 0), (0, target.shape[0]))
+        if not first <= idx < first + n:
+            return None
+        target, cuts = target[idx - first], tuple((d - 1, lo, n) for d, lo, n in cuts if d != 0)
+    for d, _, n in cuts:                 # a padded shard (LM head): the stored rows fill its first n
+        target = target.narrow(d, 0, n)
+    return target, cuts
+
+
+def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    for d, lo, n in cuts:
+        t = t.narrow(d, lo, n)
+    return t
+
+
 def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:
     """Model tensor for checkpoint tensor ``name`` (stacked experts: tensor and expert index)."""
     parts = name.split(".")
@@ -312,7 +336,8 @@ def stored_args(args: ModelArgs, found: dict[str, StoredTensor]) -> ModelArgs:
 
 
 def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               ops: Ops = REFERENCE, progress: bool = True, packed: bool | None = None) -> Transformer:
+               ops: Ops = REFERENCE, progress: bool = True, packed: bool | None = None,
+               shard: Callable[[Transformer], object] | None = None) -> Transformer:
     """Read config.json, validate the shards, and return a filled ``Transformer``.
 
     Args:
@@ -321,8 +346,13 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
         progress: show a tqdm bar (stderr) while loading.
         packed: keep converted int8 / MXFP8 / HiF8 linears as stored (``packed_kinds``); the
             numerics are the same either way.
+        shard: shards the model before any weight is read (e.g. ``engine.parallel.shard.
+            apply_parallel`` for one rank): it gets the model with meta parameters (the
+            activation quantisation already set), and only the slices it keeps (``shard_cuts``)
+            are read, so a rank holds and reads its shard, not the whole checkpoint.
     Raises:
-        ConfigError: bad config.json. CheckpointError: layout or value problems (one line each).
+        ConfigError: bad config.json, or raised by ``shard``. CheckpointError: layout or value
+            problems (one line each).
     """
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
@@ -330,30 +360,41 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     found = scan_checkpoint(ckpt)
     args = stored_args(ModelArgs.from_json(ckpt), found)
     validate_layout(checkpoint_layout(args), found)
-    model = Transformer(args, dtype, ops)
     linears = model_linears(args)
+    if shard is None:
+        model = Transformer(args, dtype, ops)
+    else:
+        with deferred_params():
+            model = Transformer(args, dtype, ops)
+        for name, lin in linears.items():          # the shard's checks see what will be quantised
+            _set_act(model, name, lin.kind)
+        shard(model)
+        materialize(model)
     covered = {t for n, lin in linears.items() for t in linear_tensors(n, lin, args)}
     kinds = packed_kinds(ops, packed)
     plain = [n for n in found if n not in covered]
     with ShardReader(ckpt, found) as reader, torch.no_grad():
         bar = tqdm(total=len(linears) + len(plain), desc="loading weights", unit="tensor", disable=not progress)
         for name, lin in linears.items():
+            stored = _stored_module(model, name, lin.kind, kinds)
+            place = _local(*_target(model, f"{name}.weight")) if stored is None else None
+            if stored is None and place is None:
+                bar.update()
+                continue
             w = _dequant(name, lin, reader, args)
             _check_values(f"{name}.weight", w, args)
-            stored = _stored_module(model, name, lin.kind, kinds)
             if stored is not None:
                 stored.store_quantised(reader.get(f"{name}.weight"), reader.get(f"{name}.scale"), lin.kind,
                                        ACT_SCHEME[lin.kind])
             else:
-                target, idx = _target(model, f"{name}.weight")
-                (target[idx] if idx is not None else target).copy_(w)
+                place[0].copy_(_cut(w, place[1]))
                 _set_act(model, name, lin.kind)
             bar.update()
         for name in plain:
             t = reader.get(name)
             _check_values(name, t, args)
-            target, _ = _target(model, name)
-            target.copy_(t)
+            dst, cuts = _local(_target(model, name)[0], None)
+            dst.copy_(_cut(t, cuts))
             bar.update()
         bar.close()
     return model.to(device).train(False)

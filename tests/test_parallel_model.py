@@ -91,6 +91,26 @@ def _run(model, rank: int, world: int, mode: str, ref: dict) -> dict:
     return out
 
 
+def _destroy(pc) -> None:
+    for g in pc.groups.values():
+        if g.group is not None:
+            dist.destroy_process_group(g.group)
+
+
+def _shard_load(ckpt, sharded, world: int, kw: dict, rank: int) -> dict:
+    """Load with ``shard`` (sharded before any read) vs ``sharded`` (whole model loaded, then
+    sharded): every tensor bit-equal; the share of parameter bytes this rank holds."""
+    cfg = ParallelConfig(world_size=world, **kw)
+    direct = load_model(ckpt, dtype=torch.float32, device="cpu", progress=False,
+                        shard=lambda m: apply_parallel(m, cfg, rank))
+    _destroy(direct.parallel)
+    a, b = direct.state_dict(), sharded.state_dict()
+    same = a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    full = load_model(ckpt, dtype=torch.float32, device="cpu", progress=False)
+    nbytes = [sum(p.numel() * p.element_size() for p in m.parameters()) for m in (direct, full)]
+    return {"differs": float(not same), "bytes_share": nbytes[0] / nbytes[1]}
+
+
 def _worker(rank, world, port, ckpt, refdir, outdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -104,9 +124,9 @@ def _worker(rank, world, port, ckpt, refdir, outdir):
             pc = apply_parallel(model, ParallelConfig(world_size=world, **kw), rank)
             with pc.rows(mode):
                 res[f"{name}/{mode}"] = _run(model, rank, world, mode, ref)
-            for g in pc.groups.values():
-                if g.group is not None:
-                    dist.destroy_process_group(g.group)
+            _destroy(pc)
+            if name == "all" and mode == "dp":
+                res["all/shard-load"] = _shard_load(ckpt, model, world, kw, rank)
     if world == 2:                             # bf16: 2-byte floats cross gloo as bytes, sums in fp32
         model = load_model(ckpt, dtype=torch.bfloat16, device="cpu", progress=False)
         with apply_parallel(model, ParallelConfig(world_size=2, **CONFIGS[2]["all"]), rank).rows("dp"):
@@ -152,7 +172,11 @@ def test_parallel_matches_single_rank(ref, tmp_path, world):
     for r in range(world):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(res) == {f"{c}/{m}" for c in CONFIGS[world] for m in ("replicated", "dp")} | (
-            {"bf16/dp"} if world == 2 else set())
+            {"bf16/dp", "all/shard-load"} if world == 2 else {"all/shard-load"})
+        # loading sharded gives the same tensors as sharding the loaded model, and holds a share
+        # of the bytes: at world 2, 1/2 of every sharded tensor (the routed experts are most)
+        load = res.pop("all/shard-load")
+        assert load["differs"] == 0 and load["bytes_share"] < (0.65 if world == 2 else 0.45), load
         for run, d in res.items():
             tol = BF16_TOL if run.startswith("bf16") else TOL
             bad = {k: v for k, v in d.items() if not v <= (tol if k.startswith(("hidden", "logits")) else 0)}

@@ -1,6 +1,7 @@
 """Small building blocks: Linear, RMSNorm, rotary tables (reference/dsv4-architecture.md §3, §3.6)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -8,9 +9,34 @@ from torch import nn
 
 from engine.ops import Ops
 
+_DEFERRED = False
+
 
 def _param(shape, dtype) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+    device = "meta" if _DEFERRED else None
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@contextlib.contextmanager
+def deferred_params():
+    """Modules built inside get their parameters on the meta device (no memory): a loader can
+    shard them first and then ``materialize`` only the shards."""
+    global _DEFERRED
+    _DEFERRED = True
+    try:
+        yield
+    finally:
+        _DEFERRED = False
+
+
+def materialize(model: nn.Module) -> None:
+    """Replace every meta parameter of ``model`` by zeros of its shape and dtype on the CPU."""
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=False)
+                new.__dict__.update(p.__dict__)          # e.g. a shard's ``shard_cuts``
+                mod._parameters[name] = new
 
 
 class Linear(nn.Module):

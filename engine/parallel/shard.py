@@ -55,8 +55,9 @@ _KEY = "parallel_config"
 
 
 def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> ParallelContext:
-    """Shard a fully loaded model in place for ``rank`` of ``pc.world_size`` and install the
-    collective forwards. torch.distributed must be initialised (any backend) with world_size ==
+    """Shard a model in place for ``rank`` of ``pc.world_size`` and install the collective
+    forwards: a loaded one, or an unloaded one (meta parameters) as ``engine.weights.load_model``'s
+    ``shard`` (each sharded parameter's ``shard_cuts`` tell the loader which slice to read). torch.distributed must be initialised (any backend) with world_size ==
     pc.world_size; the process groups come from ``dist.new_group`` (every rank calls this with the
     same config, so the groups are made in the same order). World size 1: only sets
     ``model.parallel`` to a trivial context. Returns ``model.parallel``.
@@ -156,8 +157,15 @@ def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
     return out
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.contiguous().clone(), requires_grad=False)
+def _shard(p: torch.Tensor, *cuts: tuple[int, int, int]) -> nn.Parameter:
+    """``p`` narrowed to each (dim, first, length), tagged ``shard_cuts`` (``engine.weights``
+    fills a model sharded before loading from those slices of the stored tensors)."""
+    t = p
+    for d, lo, n in cuts:
+        t = t.narrow(d, lo, n)
+    out = nn.Parameter(t.contiguous().clone(), requires_grad=False)
+    out.shard_cuts = cuts
+    return out
 
 
 def _vocab_slice(V: int, g: GroupInfo) -> tuple[int, int, int]:
@@ -274,17 +282,17 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
     n_loc = e.w1.shape[0] // pc.moe_ep_size
     i_loc = e.w1.shape[1] // pc.moe_tp_size
     lo, ilo = ctx.ep_rank * n_loc, ctx.moe_tp_rank * i_loc
-    e.w1 = _param(e.w1[lo:lo + n_loc, ilo:ilo + i_loc])
-    e.w3 = _param(e.w3[lo:lo + n_loc, ilo:ilo + i_loc])
-    e.w2 = _param(e.w2[lo:lo + n_loc, :, ilo:ilo + i_loc])
+    e.w1 = _shard(e.w1, (0, lo, n_loc), (1, ilo, i_loc))
+    e.w3 = _shard(e.w3, (0, lo, n_loc), (1, ilo, i_loc))
+    e.w2 = _shard(e.w2, (0, lo, n_loc), (2, ilo, i_loc))
     moe.__class__ = ParallelMoE
     moe.parallel, moe.expert_lo = ctx, lo
     g = ctx.groups["shared"]
     if g.size > 1:
         m = moe.shared_experts
         w = m.w1.weight.shape[0] // g.size
-        s = slice(g.index * w, (g.index + 1) * w)
-        m.w1.weight, m.w3.weight, m.w2.weight = _param(m.w1.weight[s]), _param(m.w3.weight[s]), _param(m.w2.weight[:, s])
+        m.w1.weight, m.w3.weight = _shard(m.w1.weight, (0, g.index * w, w)), _shard(m.w3.weight, (0, g.index * w, w))
+        m.w2.weight = _shard(m.w2.weight, (1, g.index * w, w))
         m.__class__ = ParallelSharedMLP
         m.parallel = ctx
 
@@ -293,8 +301,8 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
 def _shard_o_proj(attn: nn.Module, ctx: ParallelContext) -> None:
     g = ctx.groups["o_proj"]
     rows = attn.wo_a.weight.shape[0] // g.size                     # (G/s) * o_lora_rank
-    s = slice(g.index * rows, (g.index + 1) * rows)
-    attn.wo_a.weight, attn.wo_b.weight = _param(attn.wo_a.weight[s]), _param(attn.wo_b.weight[:, s])
+    attn.wo_a.weight = _shard(attn.wo_a.weight, (0, g.index * rows, rows))
+    attn.wo_b.weight = _shard(attn.wo_b.weight, (1, g.index * rows, rows))
     attn.out_proj = partial(_o_proj_tp, attn, ctx)
 
 
@@ -319,7 +327,7 @@ def _o_proj_tp(attn: nn.Module, ctx: ParallelContext, o: torch.Tensor) -> torch.
 # ---- embedding and LM head -----------------------------------------------------------------
 def _shard_embed(model: Transformer, ctx: ParallelContext) -> None:
     lo, n, _ = _vocab_slice(model.args.vocab_size, ctx.groups["embed"])
-    model.embed.weight = _param(model.embed.weight[lo:lo + n])
+    model.embed.weight = _shard(model.embed.weight, (0, lo, n))
     model.embed_tokens = partial(_embed_tp, model, ctx, lo)
 
 
@@ -337,9 +345,10 @@ def _shard_head(model: Transformer, ctx: ParallelContext) -> None:
     V = model.args.vocab_size
     lo, n, per = _vocab_slice(V, ctx.groups["lmhead"])
     w = model.head.weight
-    local = w.new_zeros(per, w.shape[1])
+    local = w.new_zeros(per, w.shape[1])                          # rows past n: zero padding
     local[:n] = w[lo:lo + n]
-    model.head.weight = _param(local)
+    model.head.weight = nn.Parameter(local, requires_grad=False)
+    model.head.weight.shard_cuts = ((0, lo, n),)
     model.logits = partial(_logits_tp, model, ctx)
 
 
