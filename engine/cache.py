@@ -265,6 +265,10 @@ class PagedCache:
             held.tables.setdefault(p, []).extend(self.pools[p].take(need[p]))
         return held
 
+    def rank_of(self, seq_id) -> int:
+        """The attention-DP rank whose pools hold ``seq_id``: 0 (one set of pools; ``DPCache`` has more)."""
+        return 0
+
     def free(self, seq_id) -> None:
         """Return everything ``seq_id`` holds (no-op if it holds nothing)."""
         held = self.seqs.pop(seq_id, None)

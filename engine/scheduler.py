@@ -3,7 +3,8 @@
 Each step (vLLM v1 / nano-vllm style; fixes upstream-baseline.md §4.3's livelock and dropped
 retractions):
   1. every running request with one pending token decodes; if its state cannot grow, the latest
-     arrived running request is preempted (state freed, re-queued to recompute), possibly itself;
+     arrived running request in the same pools (under attention DP: on the same rank) is
+     preempted (state freed, re-queued to recompute), possibly itself;
   2. running requests still prefilling get chunks, FIFO, within ``max_prefill_tokens``;
   3. queued requests are admitted FIFO while fewer than ``batch_size`` run, prefill budget
      remains, and their whole pending prompt plus ``num_reserved_decode_tokens`` fits; the head
@@ -87,7 +88,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
                 continue
             while not self.cache.can_allocate(seq.seq_id, seq.num_tokens):
-                victim = max(self.running, key=lambda s: s.order)
+                rank = self.cache.rank_of(seq.seq_id)        # only a request on its rank frees its room
+                victim = max((s for s in self.running if self.cache.rank_of(s.seq_id) == rank),
+                             key=lambda s: s.order)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:

@@ -316,3 +316,35 @@ def test_ranks_with_different_configs_exit_naming_them(ckpt, tmp_path):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 2, err[-2000:]
         assert "ranks [1] have another run config or checkpoint config.json than rank 0" in err
+
+
+def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
+    """Under attention DP only a request on the same rank frees room: the victim is the newest
+    request of that rank, and the other rank's requests keep running (one preemption, not two)."""
+    from engine.cache import PagedCache
+    from engine.parallel.dp_cache import DPCache
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerLimits
+    from engine.sequence import Sequence
+    c = reference.cache
+    g = c.geometry
+    # rank 0's requests are L tokens, at a c4 block's end; rank 1's shorter: only rank 0 runs out
+    L = next(n for n in range(200, 100_000) if g.blocks_needed("c4", n + 1) > g.blocks_needed("c4", n))
+    short = L - 100
+    assert g.blocks_needed("c4", short + 1) == g.blocks_needed("c4", L)
+    cfg = dataclasses.replace(c.config, max_seqs=2, num_blocks={"c4": 2 * g.blocks_needed("c4", L), "c128": 64})
+    dp = DPCache(PagedCache(c.args, cfg, c.dtype, "meta"), 2)
+    sched = Scheduler(dp, SchedulerLimits(batch_size=4, max_prefill_tokens=10 * L, max_model_len=10 * L,
+                                          num_reserved_decode_tokens=0))
+    seqs = [Sequence(f"s{i}", [7] * (L if i % 2 == 0 else short), SamplingParams(max_new_tokens=8))
+            for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    for _ in range(2):                                    # the prefills, then the first decodes
+        batch = sched.schedule()
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            s.num_computed += n
+            s.output_ids.append(5)
+    assert dp.owner == {"s0": 0, "s1": 1, "s3": 1}
+    assert [s.seq_id for s in batch.preempted] == ["s2"]   # s0 (rank 0) needed room: rank 0's newest
+    assert [s.seq_id for s in batch.seqs] == ["s0", "s1", "s3"]
