@@ -79,6 +79,9 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
         Path(out).write_text(json.dumps({"load_s": load_s, "params_mib": held / 2 ** 20,
                                          "prefill_s": statistics.median(pre),
                                          "decode_ms": 1000 * statistics.median(dec)}))
+    if world > 1:                 # a gloo group left to interpreter exit can abort the process
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
