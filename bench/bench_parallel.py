@@ -6,9 +6,10 @@ world 1, 2 (and 4), the cores split evenly over the ranks.
 Prefill: one prompt, world 1 ``Transformer.forward`` vs world N ``cp_prefill`` (CP N + EP N +
 LM-head TP N). Decode: ``batch`` single-token rows at ``context`` tokens of history, world 1 one
 ``forward_batch`` vs world N attention DP (each rank batch/N rows, EP N + LM-head TP N), logits
-included. Load: seconds and parameter MiB a rank holds (world N shards before reading, so a rank
-reads and keeps only its experts / vocab slice). Medians of ``--repeat`` runs. On a CPU the ranks share the socket's memory bandwidth:
-the figures show the collectives' cost and the split's balance, not an accelerator's scaling.
+included. Load: seconds and parameter MiB a rank holds (world N shards before reading: a rank
+keeps only its experts and LM-head slice). Medians of ``--repeat`` runs. On a CPU the ranks share
+the socket's memory bandwidth: the figures show the collectives' cost and the split's balance, not
+an accelerator's scaling.
 """
 from __future__ import annotations
 

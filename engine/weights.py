@@ -188,14 +188,20 @@ class ShardReader:
     def __init__(self, ckpt: Path, found: dict[str, StoredTensor], max_open: int | None = None):
         self.ckpt, self.found, self.max_open, self.handles = ckpt, found, max_open, {}
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name``. Raises CheckpointError when its shard cannot be read."""
+    def get(self, name: str, cuts: tuple = ()) -> torch.Tensor:
+        """The tensor ``name``, or only its slice ``cuts`` ((dim, first, length), ...: the
+        other bytes are not read). Raises CheckpointError when its shard cannot be read."""
         file = self.found[name].file
         try:
             if file not in self.handles:
                 if self.max_open is not None and len(self.handles) >= self.max_open:
                     self.handles.pop(next(iter(self.handles))).__exit__(None, None, None)
                 self.handles[file] = safe_open(str(self.ckpt / file), framework="pt").__enter__()
+            if cuts:
+                index = [slice(None)] * len(self.found[name].shape)
+                for d, lo, n in cuts:
+                    index[d] = slice(lo, lo + n)
+                return self.handles[file].get_slice(name)[tuple(index)]
             return self.handles[file].get_tensor(name)
         except SafetensorError as e:
             raise CheckpointError(f"checkpoint: shard {file}: tensor '{name}' cannot be read: {e}") from None
@@ -348,8 +354,9 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
             numerics are the same either way.
         shard: shards the model before any weight is read (e.g. ``engine.parallel.shard.
             apply_parallel`` for one rank): it gets the model with meta parameters (the
-            activation quantisation already set), and only the slices it keeps (``shard_cuts``)
-            are read, so a rank holds and reads its shard, not the whole checkpoint.
+            activation quantisation already set); a rank then holds only the slices it keeps
+            (``shard_cuts``), never reads another EP shard's experts, and of a bf16 / plain
+            tensor reads only its slice (a block-quantised one is read whole, then cut).
     Raises:
         ConfigError: bad config.json, or raised by ``shard``. CheckpointError: layout or value
             problems (one line each).
@@ -381,7 +388,10 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
             if stored is None and place is None:
                 bar.update()
                 continue
-            w = _dequant(name, lin, reader, args)
+            if place is not None and place[1] and lin.kind == "bf16":     # a TP slice: read only it
+                w, place = reader.get(f"{name}.weight", place[1]).float(), (place[0], ())
+            else:
+                w = _dequant(name, lin, reader, args)
             _check_values(f"{name}.weight", w, args)
             if stored is not None:
                 stored.store_quantised(reader.get(f"{name}.weight"), reader.get(f"{name}.scale"), lin.kind,
@@ -391,10 +401,10 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
                 _set_act(model, name, lin.kind)
             bar.update()
         for name in plain:
-            t = reader.get(name)
-            _check_values(name, t, args)
             dst, cuts = _local(_target(model, name)[0], None)
-            dst.copy_(_cut(t, cuts))
+            t = reader.get(name, cuts)
+            _check_values(name, t, args)
+            dst.copy_(t)
             bar.update()
         bar.close()
     return model.to(device).train(False)

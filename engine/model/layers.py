@@ -3,30 +3,31 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 
 import torch
 from torch import nn
 
 from engine.ops import Ops
 
-_DEFERRED = False
+_DEFERRED = threading.local()
 
 
 def _param(shape, dtype) -> nn.Parameter:
-    device = "meta" if _DEFERRED else None
+    device = "meta" if getattr(_DEFERRED, "on", False) else None
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 @contextlib.contextmanager
 def deferred_params():
-    """Modules built inside get their parameters on the meta device (no memory): a loader can
-    shard them first and then ``materialize`` only the shards."""
-    global _DEFERRED
-    _DEFERRED = True
+    """Modules built inside (this thread) get their parameters on the meta device (no memory): a
+    loader can shard them first and then ``materialize`` only the shards."""
+    before = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
     try:
         yield
     finally:
-        _DEFERRED = False
+        _DEFERRED.on = before
 
 
 def materialize(model: nn.Module) -> None:

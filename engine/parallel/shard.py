@@ -1,4 +1,4 @@
-"""Shard a loaded DeepSeek-V4 model over ranks and install its collective forwards.
+"""Shard a DeepSeek-V4 model over ranks (loaded, or before loading) and install its collective forwards.
 
 Source: reference/upstream-parallel-and-mtp.md "Parallel strategy" (decode: attention DP, MoE EP,
 LM-head TP, o_a_proj TP with DP->TP all_to_all and reduce-scatter back). Rank layout and row modes:
@@ -56,8 +56,9 @@ _KEY = "parallel_config"
 
 def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> ParallelContext:
     """Shard a model in place for ``rank`` of ``pc.world_size`` and install the collective
-    forwards: a loaded one, or an unloaded one (meta parameters) as ``engine.weights.load_model``'s
-    ``shard`` (each sharded parameter's ``shard_cuts`` tell the loader which slice to read). torch.distributed must be initialised (any backend) with world_size ==
+    forwards: a loaded one, or an unloaded one (meta parameters) as
+    ``engine.weights.load_model``'s ``shard`` (each sharded parameter's ``shard_cuts`` tell the
+    loader which slice to read). torch.distributed must be initialised (any backend) with world_size ==
     pc.world_size; the process groups come from ``dist.new_group`` (every rank calls this with the
     same config, so the groups are made in the same order). World size 1: only sets
     ``model.parallel`` to a trivial context. Returns ``model.parallel``.
@@ -126,15 +127,20 @@ def _check(model: Transformer, pc: ParallelConfig) -> None:
     for key in ("embed_tp_size", "lmhead_tp_size"):
         if getattr(pc, key) > a.vocab_size:
             _fail(key, f"must be <= vocab_size ({a.vocab_size}), got {getattr(pc, key)}")
+    # A converted checkpoint's routed experts are dense with per-token activation quantisation:
+    # whole experts per EP shard compute as on one rank, but an I slice (moe_tp) would quantise
+    # w2's input per slice. Packed (stored) weights are not cut. Per-token quantisation of the
+    # LM head's input is unchanged by a vocab slice.
     no_q = "sharding of quantised checkpoints is not supported yet"
     for blk in [*model.layers, *model.mtp]:
-        if _quantised(blk.ffn.experts):
-            _fail("world_size", f"the routed experts are sharded over every rank; {no_q}")
+        if pc.moe_tp_size > 1 and _quantised(blk.ffn.experts):
+            _fail("moe_tp_size", f"activation-quantised routed experts (a converted checkpoint) run whole per "
+                                 f"EP shard; must be 1, got {pc.moe_tp_size}")
         if pc.shared_tp_size > 1 and any(_quantised(m) for m in blk.ffn.shared_experts.modules()):
             _fail("shared_tp_size", no_q)
         if pc.o_proj_tp_size > 1 and (_quantised(blk.attn.wo_a) or _quantised(blk.attn.wo_b)):
             _fail("o_proj_tp_size", no_q)
-    if pc.lmhead_tp_size > 1 and _quantised(model.head):
+    if pc.lmhead_tp_size > 1 and model.head.fmt is not None:
         _fail("lmhead_tp_size", no_q)
     if pc.embed_tp_size > 1 and not model.embed.weight.is_floating_point():
         _fail("embed_tp_size", no_q)
@@ -177,7 +183,7 @@ def _vocab_slice(V: int, g: GroupInfo) -> tuple[int, int, int]:
 
 # ---- MoE: routed experts (EP x MoE-TP) and the shared expert -------------------------------
 class ParallelMoE(MoE):
-    """``MoE`` whose routed experts are this rank's EP / MoE-TP shard (installed on a loaded MoE
+    """``MoE`` whose routed experts are this rank's EP / MoE-TP shard (installed on an MoE
     by class swap: parameter names, ``configure`` and the gate stay as they are)."""
 
     parallel: ParallelContext
