@@ -6,7 +6,7 @@ world 1, 2 (and 4), the cores split evenly over the ranks.
 Prefill: one prompt, world 1 ``Transformer.forward`` vs world N ``cp_prefill`` (CP N + EP N +
 LM-head TP N). Decode: ``batch`` single-token rows at ``context`` tokens of history, world 1 one
 ``forward_batch`` vs world N attention DP (each rank batch/N rows, EP N + LM-head TP N), logits
-included. Load: seconds and parameter MiB a rank holds (world N shards before reading: a rank
+included. Load: seconds, parameter MiB a rank holds and its peak RSS after loading (torch included) (world N shards before reading: a rank
 keeps only its experts and LM-head slice). Medians of ``--repeat`` runs. On a CPU the ranks share
 the socket's memory bandwidth: the figures show the collectives' cost and the split's balance, not
 an accelerator's scaling.
@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -47,6 +48,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
                        shard=(lambda m: apply_parallel(m, pc, rank)) if world > 1 else None)
     load_s = time.perf_counter() - t
     held = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024      # KiB -> MiB (Linux)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 60000, (args.prompt,), generator=g)
     pre = []
@@ -77,7 +79,7 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
             model.logits(h)
         dec.append(time.perf_counter() - t)
     if rank == 0:
-        Path(out).write_text(json.dumps({"load_s": load_s, "params_mib": held / 2 ** 20,
+        Path(out).write_text(json.dumps({"load_s": load_s, "params_mib": held / 2 ** 20, "load_peak_mib": peak,
                                          "prefill_s": statistics.median(pre),
                                          "decode_ms": 1000 * statistics.median(dec)}))
     if world > 1:                 # a gloo group left to interpreter exit can abort the process
@@ -107,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         mp.spawn(_worker, (w, free_port(), args, out), nprocs=w, join=True)
         rows.append((w, json.loads(Path(out).read_text())))
     base = rows[0][1]
-    print(f"{'world':>5} {'threads/rank':>12} {'load s':>7} {'params MiB/rank':>15} "
+    print(f"{'world':>5} {'threads/rank':>12} {'load s':>7} {'params MiB/rank':>15} {'peak RSS MiB':>12} "
           f"{'prefill ' + str(args.prompt) + ' s':>14} {'x':>5} {'decode b' + str(args.batch) + ' ms':>14} {'x':>5}")
     for w, r in rows:
-        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['load_s']:>7.2f} {r['params_mib']:>15.1f} "
+        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['load_s']:>7.2f} {r['params_mib']:>15.1f} {r['load_peak_mib']:>12.0f} "
               f"{r['prefill_s']:>14.2f} {base['prefill_s'] / r['prefill_s']:>5.2f} "
               f"{r['decode_ms']:>14.1f} {base['decode_ms'] / r['decode_ms']:>5.2f}")
     return 0
