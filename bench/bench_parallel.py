@@ -6,10 +6,10 @@ world 1, 2 (and 4), the cores split evenly over the ranks.
 Prefill: one prompt, world 1 ``Transformer.forward`` vs world N ``cp_prefill`` (CP N + EP N +
 LM-head TP N). Decode: ``batch`` single-token rows at ``context`` tokens of history, world 1 one
 ``forward_batch`` vs world N attention DP (each rank batch/N rows, EP N + LM-head TP N), logits
-included. Load: seconds, parameter MiB a rank holds and its peak RSS after loading (torch included) (world N shards before reading: a rank
-keeps only its experts and LM-head slice). Medians of ``--repeat`` runs. On a CPU the ranks share
-the socket's memory bandwidth: the figures show the collectives' cost and the split's balance, not
-an accelerator's scaling.
+included. Load: seconds, the parameter MiB a rank holds and its peak RSS after loading (torch
+included); world N shards before reading, so a rank keeps only its experts and LM-head slice.
+Medians of ``--repeat`` runs. On a CPU the ranks share the socket's memory bandwidth: the figures
+show the collectives' cost and the split's balance, not an accelerator's scaling.
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'world':>5} {'threads/rank':>12} {'load s':>7} {'params MiB/rank':>15} {'peak RSS MiB':>12} "
           f"{'prefill ' + str(args.prompt) + ' s':>14} {'x':>5} {'decode b' + str(args.batch) + ' ms':>14} {'x':>5}")
     for w, r in rows:
-        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['load_s']:>7.2f} {r['params_mib']:>15.1f} {r['load_peak_mib']:>12.0f} "
-              f"{r['prefill_s']:>14.2f} {base['prefill_s'] / r['prefill_s']:>5.2f} "
+        print(f"{w:>5} {max(1, (os.cpu_count() or 1) // w):>12} {r['load_s']:>7.2f} {r['params_mib']:>15.1f} "
+              f"{r['load_peak_mib']:>12.0f} {r['prefill_s']:>14.2f} {base['prefill_s'] / r['prefill_s']:>5.2f} "
               f"{r['decode_ms']:>14.1f} {base['decode_ms'] / r['decode_ms']:>5.2f}")
     return 0
 

@@ -231,7 +231,8 @@ def _local(target: torch.Tensor, idx: int | None) -> tuple[torch.Tensor, tuple] 
     return target, cuts
 
 
-def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+def narrow_cuts(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    """``t`` narrowed along each (dim, first, length) of ``cuts`` (a view)."""
     for d, lo, n in cuts:
         t = t.narrow(d, lo, n)
     return t
@@ -397,7 +398,7 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
                 stored.store_quantised(reader.get(f"{name}.weight"), reader.get(f"{name}.scale"), lin.kind,
                                        ACT_SCHEME[lin.kind])
             else:
-                place[0].copy_(_cut(w, place[1]))
+                place[0].copy_(narrow_cuts(w, place[1]))
                 _set_act(model, name, lin.kind)
             bar.update()
         for name in plain:

@@ -50,6 +50,7 @@ from engine.parallel.comm import (all_gather_cols, all_reduce_max, all_reduce_su
                                   exchange_counts, gather_rows, scatter_sum)
 from engine.parallel.context import GroupInfo, ParallelContext, trivial_context
 from engine.run_config import ParallelConfig
+from engine.weights import narrow_cuts
 
 _KEY = "parallel_config"
 
@@ -58,14 +59,15 @@ def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> Paralle
     """Shard a model in place for ``rank`` of ``pc.world_size`` and install the collective
     forwards: a loaded one, or an unloaded one (meta parameters) as
     ``engine.weights.load_model``'s ``shard`` (each sharded parameter's ``shard_cuts`` tell the
-    loader which slice to read). torch.distributed must be initialised (any backend) with world_size ==
-    pc.world_size; the process groups come from ``dist.new_group`` (every rank calls this with the
-    same config, so the groups are made in the same order). World size 1: only sets
-    ``model.parallel`` to a trivial context. Returns ``model.parallel``.
+    loader which slice to read). torch.distributed must be initialised (any backend) with
+    world_size == pc.world_size; the process groups come from ``dist.new_group`` (every rank
+    calls this with the same config, so the groups are made in the same order). World size 1:
+    only sets ``model.parallel`` to a trivial context. Returns ``model.parallel``.
 
     Raises:
         ConfigError: a size that does not divide the model (``parallel_config.<key>: ...``),
-            attn_tp_size != 1, or a quantised (packed / activation-quantised) tensor to shard.
+            attn_tp_size != 1, moe_tp_size > 1 over activation-quantised experts, or a packed /
+            activation-quantised shared expert, o_proj or LM head (``fmt``) to cut.
         ValueError: torch.distributed not initialised, its world size / rank differ, or the model
             is already sharded.
     """
@@ -166,10 +168,7 @@ def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
 def _shard(p: torch.Tensor, *cuts: tuple[int, int, int]) -> nn.Parameter:
     """``p`` narrowed to each (dim, first, length), tagged ``shard_cuts`` (``engine.weights``
     fills a model sharded before loading from those slices of the stored tensors)."""
-    t = p
-    for d, lo, n in cuts:
-        t = t.narrow(d, lo, n)
-    out = nn.Parameter(t.contiguous().clone(), requires_grad=False)
+    out = nn.Parameter(narrow_cuts(p, cuts).contiguous().clone(), requires_grad=False)
     out.shard_cuts = cuts
     return out
 
