@@ -36,9 +36,17 @@ def eos_token_ids(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, ...]:
 
 
 def exec_config(cfg: RunConfig) -> ExecConfig:
-    """The run config's execution keys as an ``ExecConfig``."""
+    """The run config's execution keys as an ``ExecConfig``. A multi-rank instance decodes eager
+    (the captured ``StaticDecoder`` step is not parallel yet): a graph ``exe_mode`` with
+    world_size > 1 is logged as a warning and replaced by "eager", as vLLM falls back to eager
+    where CUDA graphs are unsupported."""
     m, cp = cfg.model_config, cfg.model_config.custom_params
-    return ExecConfig(exe_mode=m.exe_mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
+    mode = m.exe_mode
+    if cfg.parallel_config.world_size > 1 and mode != "eager":
+        log.warning("model_config.exe_mode %r: a multi-rank instance (world_size %d) decodes eager for now",
+                    mode, cfg.parallel_config.world_size)
+        mode = "eager"
+    return ExecConfig(exe_mode=mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
                       static_kernel=m.enable_static_kernel, cache_compile=m.enable_cache_compile,
                       compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel)
 
@@ -98,9 +106,6 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     elif ex.limit_core:
         log.info("custom_params.enable_limit_core: Ascend A3 only; no effect on %s", plat.kind)
     pc = cfg.parallel_config
-    if pc.world_size > 1 and ex.graph:
-        raise ConfigError(f"model_config.exe_mode: a multi-rank instance (world_size {pc.world_size}) runs "
-                          f"eager for now, got {cfg.model_config.exe_mode!r}")
 
     def check(model) -> None:
         cfg.check_model(model.args)

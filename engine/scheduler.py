@@ -8,7 +8,8 @@ retractions):
   2. running requests still prefilling get chunks, FIFO, within ``max_prefill_tokens``;
   3. queued requests are admitted FIFO while fewer than ``batch_size`` run, prefill budget
      remains, and their whole pending prompt plus ``num_reserved_decode_tokens`` fits; the head
-     that does not fit waits for the next step (no skipping, no spinning).
+     that does not fit waits for the next step (no skipping, no spinning); a step that preempted
+     admits none (vLLM v1).
 """
 from __future__ import annotations
 
@@ -109,8 +110,10 @@ class Scheduler:
                 budget -= n
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
-        # 3. admission
-        while self.waiting and budget > 0 and len(self.running) + self.num_reserved < self.limits.batch_size:
+        # 3. admission; none on a step that preempted (vLLM v1): the room is short, and under
+        # attention DP a victim would otherwise be readmitted at once on another rank
+        while not batch.preempted and self.waiting and budget > 0 \
+                and len(self.running) + self.num_reserved < self.limits.batch_size:
             seq = self.waiting[0]
             if not self.cache.can_allocate(seq.seq_id, self._target(seq)):
                 break

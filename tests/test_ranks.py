@@ -320,24 +320,25 @@ def test_ranks_with_different_configs_exit_naming_them(ckpt, tmp_path):
 
 def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     """Under attention DP only a request on the same rank frees room: the victim is the newest
-    request of that rank, and the other rank's requests keep running (one preemption, not two)."""
+    request of that rank, the other rank's request keeps running, and the victim is not
+    readmitted (on the rank with room) in the step that preempted it."""
     from engine.cache import PagedCache
     from engine.parallel.dp_cache import DPCache
     from engine.sampling import SamplingParams
     from engine.scheduler import Scheduler, SchedulerLimits
-    from engine.sequence import Sequence
+    from engine.sequence import Sequence, SeqStatus
     c = reference.cache
     g = c.geometry
-    # rank 0's requests are L tokens, at a c4 block's end; rank 1's shorter: only rank 0 runs out
-    L = next(n for n in range(200, 100_000) if g.blocks_needed("c4", n + 1) > g.blocks_needed("c4", n))
-    short = L - 100
-    assert g.blocks_needed("c4", short + 1) == g.blocks_needed("c4", L)
-    cfg = dataclasses.replace(c.config, max_seqs=2, num_blocks={"c4": 2 * g.blocks_needed("c4", L), "c128": 64})
+    # s0 and s2 (rank 0): L tokens, at the end of their 2nd c4 block, filling rank 0's pool; s1
+    # (rank 1, newest overall before s2) holds 1 block: rank 1 would have room for s2 again
+    L = next(n for n in range(200, 100_000) if g.blocks_needed("c4", n + 1) > g.blocks_needed("c4", n) == 2)
+    short = 100
+    assert g.blocks_needed("c4", short + 1) == 1
+    cfg = dataclasses.replace(c.config, max_seqs=2, num_blocks={"c4": 4, "c128": 64})
     dp = DPCache(PagedCache(c.args, cfg, c.dtype, "meta"), 2)
     sched = Scheduler(dp, SchedulerLimits(batch_size=4, max_prefill_tokens=10 * L, max_model_len=10 * L,
                                           num_reserved_decode_tokens=0))
-    seqs = [Sequence(f"s{i}", [7] * (L if i % 2 == 0 else short), SamplingParams(max_new_tokens=8))
-            for i in range(4)]
+    seqs = [Sequence(f"s{i}", [7] * n, SamplingParams(max_new_tokens=8)) for i, n in enumerate((L, short, L))]
     for s in seqs:
         sched.add(s)
     for _ in range(2):                                    # the prefills, then the first decodes
@@ -345,6 +346,22 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
         for s, n in zip(batch.seqs, batch.num_tokens):
             s.num_computed += n
             s.output_ids.append(5)
-    assert dp.owner == {"s0": 0, "s1": 1, "s3": 1}
     assert [s.seq_id for s in batch.preempted] == ["s2"]   # s0 (rank 0) needed room: rank 0's newest
-    assert [s.seq_id for s in batch.seqs] == ["s0", "s1", "s3"]
+    assert [s.seq_id for s in batch.seqs] == ["s0", "s1"]
+    assert dp.owner == {"s0": 0, "s1": 1} and seqs[2].status is SeqStatus.WAITING
+    batch = sched.schedule()                              # the next step readmits it, on rank 1
+    assert "s2" in [s.seq_id for s in batch.seqs] and dp.owner["s2"] == 1
+
+
+@pytest.mark.parametrize("path", ["configs/deepseek-v4-flash-a3-decode.yaml", "configs/deepseek-v4-pro-950-16rank.yaml",
+                                  "configs/deepseek-v4-flash-a3-w8a8-16rank.yaml"])
+def test_a_shipped_multi_rank_graph_config_decodes_eager_with_a_warning(path, caplog):
+    """The captured decode step is not parallel: world_size > 1 with a graph exe_mode runs eager
+    (logged), so the shipped 16-rank configs start instead of being refused."""
+    from engine.build import exec_config
+    cfg = RunConfig.from_yaml(path)
+    assert cfg.parallel_config.world_size == 16 and cfg.model_config.exe_mode == "npugraph_ex"
+    with caplog.at_level("WARNING", logger="engine.build"):
+        ex = exec_config(cfg)
+    assert ex.exe_mode == "eager" and not ex.graph
+    assert "exe_mode 'npugraph_ex': a multi-rank instance (world_size 16) decodes eager" in caplog.text

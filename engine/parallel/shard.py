@@ -131,8 +131,8 @@ def _check(model: Transformer, pc: ParallelConfig) -> None:
             _fail(key, f"must be <= vocab_size ({a.vocab_size}), got {getattr(pc, key)}")
     # A converted checkpoint's routed experts are dense with per-token activation quantisation:
     # whole experts per EP shard compute as on one rank, but an I slice (moe_tp) would quantise
-    # w2's input per slice. Packed (stored) weights are not cut. Per-token quantisation of the
-    # LM head's input is unchanged by a vocab slice.
+    # w2's input per slice. Packed (stored) weights are not cut (the head is bf16 in every
+    # converted format; the check guards a future one).
     no_q = "sharding of quantised checkpoints is not supported yet"
     for blk in [*model.layers, *model.mtp]:
         if pc.moe_tp_size > 1 and _quantised(blk.ffn.experts):
