@@ -3,6 +3,7 @@ as a path string, and an in-process reference engine on configs/tiny-flash.yaml 
 define its own ``ckpt`` / ``reference``)."""
 from __future__ import annotations
 
+import engine  # noqa: F401  - sets MKL_CBWR before any GEMM (engine/__init__.py)
 import pytest
 
 from engine.build import build_engine
