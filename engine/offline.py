@@ -4,8 +4,8 @@
     dsv4-offline --model models/tiny-flash --dataset data/infinitebench_sample.jsonl --out out.jsonl
 
 Each sample's prompt (``engine.dataset.build_prompt``) is tokenised, middle-truncated to
-``data_config.input_truncated_len`` tokens (as InfiniteBench does), wrapped in the DeepSeek-V4
-chat template (one user turn, chat mode) and queued; all samples run through continuous batching.
+``data_config.input_truncated_len`` tokens (as InfiniteBench does), rendered as one user turn in
+chat (non-thinking) mode by DeepSeek's own format library (``deepseek_recipe``) and queued; all samples run through continuous batching.
 One output line per sample, in dataset order: id, prompt / output token counts, output ids, text,
 finish reason, TTFT and per-token latencies in seconds (from the moment the sample was queued).
 Exit codes: 0 done, 2 bad arguments / config / dataset (the message names the flag or key).
@@ -22,8 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import deepseek_recipe as dr
+
 from engine.build import build_engine
-from engine.chat import apply_chat_template, prompt_token_ids
 from engine.config import ConfigError
 from engine.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 from engine.run_config import RunConfig
@@ -35,10 +36,16 @@ from engine.weights import CheckpointError
 TEMPLATE_TOKENS = 8          # chat-template ids around a prompt (BOS, role markers, </think>), with margin
 
 
-def encode_sample(tok: Tokenizer, text: str, max_len: int) -> list[int]:
-    """Prompt text -> chat-templated ids with the text middle-truncated to ``max_len`` tokens."""
+def chat_encoding(model_dir: str | Path) -> dr.DeepseekV4Encoding:
+    """DeepSeek's V4 prompt encoding with the checkpoint's tokenizer."""
+    return dr.DeepseekV4Encoding().with_tokenizer(dr.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")))
+
+
+def encode_sample(tok: Tokenizer, enc: dr.DeepseekV4Encoding, text: str, max_len: int) -> list[int]:
+    """Prompt text -> the ids of one user turn in chat mode, the text middle-truncated to ``max_len`` tokens."""
     ids = truncate_middle(tok.encode(text), max_len)
-    return prompt_token_ids(tok, apply_chat_template([{"role": "user", "content": tok.decode(ids)}]))
+    conv = dr.Conversation([dr.UserMessage(tok.decode(ids))], thinking_mode=False)
+    return enc.encode(conv)
 
 
 def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: int | None = None,
@@ -47,12 +54,13 @@ def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: in
     samples = load_dataset(dataset)[:limit]
     eng = build_engine(cfg, model_dir, progress=progress)
     tok = Tokenizer(model_dir or cfg.model_config.model_path)
+    enc = chat_encoding(tok.model_dir)
     d, s = cfg.data_config, cfg.scheduler_config
     room = eng.limits.max_model_len - 1
     if room < TEMPLATE_TOKENS + 2:
         raise ConfigError(f"scheduler_config.max_model_len: {eng.limits.max_model_len} tokens leave no room for a "
                           f"templated prompt and an answer; use at least {TEMPLATE_TOKENS + 3}")
-    ids = {f"s{i}": encode_sample(tok, build_prompt(x), min(d.input_truncated_len, room - TEMPLATE_TOKENS - 1))
+    ids = {f"s{i}": encode_sample(tok, enc, build_prompt(x), min(d.input_truncated_len, room - TEMPLATE_TOKENS - 1))
            for i, x in enumerate(samples)}
     t0 = time.perf_counter()
     for i, (rid, prompt) in enumerate(ids.items()):

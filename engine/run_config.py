@@ -65,13 +65,18 @@ class CustomParams:
         _positive(self, "max_position_embeddings", optional=True)
 
 
+#: The served model name when a run config names none: the name the shipped configs, the gateway,
+#: the workers' metrics labels and the README use.
+DEFAULT_MODEL_NAME = "deepseek_v4"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """``model_config``: which model, from where, in which dtype and execution mode."""
 
     _PATH: typing.ClassVar[str] = "model_config"
 
-    model_name: str = "model"
+    model_name: str = DEFAULT_MODEL_NAME
     model_path: str = ""
     output_path: str = ""                 # "" -> offline picks a work dir; online: ./compile_cache
     dtype: str = "bfloat16"

@@ -35,7 +35,8 @@ class Tokenizer:
     """
 
     def __init__(self, ckpt_dir: str | Path):
-        path = Path(ckpt_dir) / "tokenizer.json"
+        self.model_dir = Path(ckpt_dir)
+        path = self.model_dir / "tokenizer.json"
         if not path.is_file():
             raise TokenizerError(f"tokenizer: {path} not found")
         try:

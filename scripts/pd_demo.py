@@ -1,6 +1,7 @@
 """The main job, end to end: start a prefill worker, a decode worker and the gateway on this
 machine (tiny checkpoint, loopback), stream one chat completion through them with the ``openai``
-client, and print the answer and the Prometheus metrics the request moved.
+client (thinking mode, DeepSeek's default: the reasoning streams first, then the answer), and print
+them with the Prometheus metrics the request moved.
 
     .venv/bin/python scripts/pd_demo.py [--model models/tiny-flash] [--config configs/tiny-flash.yaml]
 """
@@ -62,7 +63,7 @@ def main() -> int:
         client = OpenAI(base_url=base + "/v1", api_key="none")
         model = client.models.list().data[0].id
         print(f"> {a.prompt}\n< ", end="", flush=True)
-        t1, first, usage = time.monotonic(), None, None
+        t1, first, usage, part = time.monotonic(), None, None, None
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": a.prompt}], max_tokens=a.max_tokens,
             temperature=0, stream=True, stream_options={"include_usage": True})
@@ -70,9 +71,14 @@ def main() -> int:
             if chunk.usage is not None:
                 usage = chunk.usage
             for ch in chunk.choices:
-                if ch.delta.content:
-                    first = first or time.monotonic()
-                    print(ch.delta.content, end="", flush=True)
+                reasoning = getattr(ch.delta, "reasoning_content", None)
+                for kind, text in (("reasoning", reasoning), ("answer", ch.delta.content)):
+                    if text:
+                        first = first or time.monotonic()
+                        if kind != part:
+                            print(f"\n[{kind}] ", end="")
+                            part = kind
+                        print(text, end="", flush=True)
         e2e = time.monotonic() - t1
         print(f"\n\n(random tiny weights: the text is noise; the path is real) "
               f"TTFT {1000 * ((first or t1) - t1):.0f} ms, E2E {e2e:.2f} s, usage {usage.model_dump() if usage else None}")

@@ -65,7 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", action="append",
                    help="gateway: require 'Authorization: Bearer KEY' on /v1/* (repeatable; env DSV4_API_KEY, "
                         "comma-separated)")
-    p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name)")
+    p.add_argument("--served-model-name", help="model name clients send (default: model_config.model_name, "
+                   "else deepseek_v4)")
+    p.add_argument("--default-thinking", choices=("enabled", "disabled"),
+                   default=os.environ.get("DSV4_DEFAULT_THINKING", "enabled"),
+                   help="gateway: thinking mode of a chat / Responses / Messages request that does not choose "
+                        "(DeepSeek's API default: enabled; env DSV4_DEFAULT_THINKING)")
     p.add_argument("--lease-s", type=float, default=60.0, help="decode reservation lease (s), in (0, 3600]")
     p.add_argument("--advertise-host", default=os.environ.get("DSV4_ADVERTISE_HOST"),
                    help="decode: host prefill workers reach the state port at (default: --host, or this "
@@ -160,7 +165,8 @@ def _advertised(host: str) -> str:
 
 
 def _model_name(args, cfg) -> str:
-    return args.served_model_name or (cfg.model_config.model_name if cfg is not None else "deepseek-v4")
+    from engine.run_config import DEFAULT_MODEL_NAME
+    return args.served_model_name or (cfg.model_config.model_name if cfg is not None else DEFAULT_MODEL_NAME)
 
 
 def run_worker(args) -> int:
@@ -308,7 +314,8 @@ def run_gateway(args) -> int:
     keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]
     if any(not k.strip() or k != k.strip() for k in keys):
         _die("launch-pd: --api-key / DSV4_API_KEY: a key must be non-empty, without surrounding spaces")
-    app = create_app(backend, tokenizer, _model_name(args, cfg), api_keys=keys or None, max_pending=args.max_pending,
+    app = create_app(backend, tokenizer, _model_name(args, cfg), default_thinking=args.default_thinking == "enabled",
+                     api_keys=keys or None, max_pending=args.max_pending,
                      request_timeout_s=args.request_timeout_s or None)
     port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     log.info("gateway on http://%s:%d: prefill %s, decode %s", args.host, port, pre, dec)
@@ -336,8 +343,8 @@ def run_local(args) -> int:
                  "transfer_timeout_s", "max_retries"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
-    gw = extra + ["--lease-s", str(args.lease_s)] + (["--served-model-name", args.served_model_name]
-                                                     if args.served_model_name else [])
+    gw = extra + ["--lease-s", str(args.lease_s), "--default-thinking", args.default_thinking] + (
+        ["--served-model-name", args.served_model_name] if args.served_model_name else [])
     if args.api_key:                           # to the gateway child by environment (argv is public)
         os.environ["DSV4_API_KEY"] = ",".join(args.api_key)
     gateway_port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)

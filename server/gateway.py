@@ -1,15 +1,17 @@
-"""The OpenAI-compatible HTTP gateway: FastAPI routes, SSE streaming, metrics, disconnects.
+"""The HTTP gateway: OpenAI and Anthropic APIs, SSE streaming, metrics, disconnects.
 
-    app = create_app(backend, tokenizer, "deepseek-v4-flash")
+    app = create_app(backend, tokenizer, "deepseek_v4")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics. Requests become ``server.openai_serving.Job`` samples (one backend stream each, run
-concurrently); their events become a JSON body or SSE chunks (``data: {json}\\n\\n`` ...
-``data: [DONE]``). Errors use OpenAI's shape: 400 for bad input (pydantic's 422 included), 404 for an
-unknown model, ``BackendError.status`` for the backend, 500 only for a server fault. A streamed
-request answers with HTTP headers once the first token (or a refusal) arrives, so a backend
-refusal keeps its status; an error after that is a final ``data: {"error": ...}`` event.
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages
+(Anthropic); GET /v1/models, /health, /metrics. A request becomes a ``server.jobs.Job`` of samples
+(one backend stream each, run concurrently); the job shapes their pieces as a JSON body or SSE
+messages. The chat format (rendering, encoding, output parsing) is DeepSeek's own library, through
+``server.dsformat``. Errors use the API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere):
+400 for bad input (pydantic's 422 included), 404 for an unknown model, ``BackendError.status`` for
+the backend, 500 only for a server fault. A streamed request answers with HTTP headers once the
+first token (or a refusal) arrives, so a backend refusal keeps its status; an error after that is
+a final error event in the API's form.
 
 A client that disconnects (streamed or not) has its samples' backend iterators closed, which
 aborts them and frees their state. Metrics follow vLLM (per sample): TTFT from arrival to the first
@@ -33,10 +35,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backend import Backend, BackendError, GenRequest
 from server.body_limit import BodyLimit
+from server.chat_completions import prepare_chat
+from server.completions import TokenStrings, prepare_completion
+from server.dsformat import DeepSeekFormat
+from server.jobs import Job, Piece, Sample
 from server.metrics import CONTENT_TYPE, GatewayMetrics
-from server.openai_serving import (ChoiceResult, Job, Piece, Sample, SampleAssembler, TokenStrings, first_chunks,
-                                   full_response, piece_chunk, prepare_chat, prepare_completion, usage_chunk)
-from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+from server.responses_messages import openai_or_anthropic_error, prepare_messages, prepare_responses
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()
@@ -51,17 +56,17 @@ class ClientGone(Exception):
 class Generation:
     """Runs every sample of ``job`` concurrently on ``backend``; ``next()`` yields their pieces.
 
-    Each sample task feeds its ``SampleAssembler`` and closes its backend iterator when done (a
-    stop string or ``cancel`` aborts the sample there). Records the per-sample metrics; a prompt's
+    Each sample task feeds its assembler (``job.assembler``) and closes its backend iterator when
+    done (a stop string or ``cancel`` aborts the sample there). Records the per-sample metrics; a prompt's
     tokens count in prompt_tokens once its first sample has a token (a refused request adds none).
     """
 
-    def __init__(self, backend: Backend, job: Job, tokenizer, strings: TokenStrings, metrics: GatewayMetrics,
-                 arrival: float, deadline: float | None = None, on_done=None):
+    def __init__(self, backend: Backend, job: Job, metrics: GatewayMetrics, arrival: float,
+                 deadline: float | None = None, on_done=None):
         self.job, self._backend, self._m, self._arrival = job, backend, metrics, arrival
         self._deadline, self._on_done = deadline, on_done
         self._q: asyncio.Queue = asyncio.Queue()
-        self.asms = {s.index: SampleAssembler(job, s, tokenizer, strings) for s in job.samples}
+        self.asms = {s.index: job.assembler(s) for s in job.samples}
         self._left = len(job.samples)     # tasks still running
         self._open = len(job.samples)     # samples whose _DONE next() has not seen
         self._cancelled = False
@@ -192,43 +197,36 @@ def _token_ids(v) -> bool:
         isinstance(x, list) and set(map(type, x)) <= {int} for x in v))
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 async def _stream(job: Job, gen: Generation, first: tuple[Sample, Piece], watcher: asyncio.Task):
-    """SSE body: first chunks (role / echo), one chunk per piece, usage chunk, ``[DONE]``."""
+    """SSE body: the job's head, its events per piece, its tail (usage, ``[DONE]``); a failure
+    after the headers is the job's error event."""
     try:
-        for c in first_chunks(job):
-            yield _sse(c)
+        text = "".join(job.head())
         item = first
         while item is not None:
-            c = piece_chunk(job, *item)
-            if c is not None:
-                yield _sse(c)
+            text += "".join(job.events(*item))
+            if text:
+                yield text
+                text = ""
             item = await gen.next()
-        if job.include_usage:
-            yield _sse(usage_chunk(job, gen.completion_tokens))
-        yield "data: [DONE]\n\n"
+        yield text + "".join(job.tail(gen.asms))
     except ClientGone:
         return
     except (ApiError, BackendError) as e:
-        status = getattr(e, "status", 500)
-        yield _sse(error_body(str(e), status, getattr(e, "param", None)))
-        yield "data: [DONE]\n\n"
+        yield "".join(job.error_events(getattr(e, "status", 500), str(e), getattr(e, "param", None)))
     except Exception as e:
         log.exception("stream of %s failed", job.id)
-        yield _sse(error_body(f"internal error: {type(e).__name__}", 500))
-        yield "data: [DONE]\n\n"
+        yield "".join(job.error_events(500, f"internal error: {type(e).__name__}"))
     finally:
         watcher.cancel()
         gen.cancel()
 
 
 # ---- errors -------------------------------------------------------------------------------------------
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def _error(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
     retry = {"Retry-After": "1"} if status in (429, 503) else None      # overloaded / draining: come back
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=retry)
+    return JSONResponse(openai_or_anthropic_error(request.url.path, message, status, param), status_code=status,
+                        headers=retry)
 
 
 def _param_of(loc: Sequence) -> str | None:
@@ -245,17 +243,18 @@ def _param_of(loc: Sequence) -> str | None:
     return out or None
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
     if e.get("type") == "json_invalid":
-        return _error(400, f"request body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
+        return _error(request, 400, f"request body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
     param = _param_of(e.get("loc", ()))
-    return _error(400, f"{param or 'request body'}: {e['msg']}", param)
+    return _error(request, 400, f"{param or 'request body'}: {e['msg']}", param)
 
 
 # ---- the app ------------------------------------------------------------------------------------------
-def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128,
+def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking: bool = True,
+               fmt: DeepSeekFormat | None = None, max_n: int = 128,
                api_keys: Sequence[str] | None = None, metrics: GatewayMetrics | None = None,
                manage_backend: bool = True, max_pending: int = 4096,
                request_timeout_s: float | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
@@ -263,10 +262,15 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
 
     Args:
         backend: serves samples (``server.backend.Backend``).
-        tokenizer: ``engine.tokenizer.Tokenizer`` of the served model.
+        tokenizer: ``engine.tokenizer.Tokenizer`` of the served model (completions, logprob strings).
         model_name: the served model name; a request's ``model`` must equal it (else 404).
+        default_thinking: thinking mode of a chat / Responses / Messages request that does not
+            choose (``thinking``, ``reasoning_effort``, ``chat_template_kwargs.thinking``).
+        fmt: the chat format (``server.dsformat.DeepSeekFormat``); built from the tokenizer's
+            checkpoint directory by default.
         max_n: most choices per request (``n`` x prompts).
-        api_keys: if given, /v1/* need ``Authorization: Bearer <key>`` (else 401).
+        api_keys: if given, /v1/* need ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+            (Anthropic's header) (else 401).
         metrics: the ``GatewayMetrics`` to record into (a new one by default; ``app.state.metrics``).
         manage_backend: start the backend on startup and close it on shutdown.
         max_pending: most samples in flight in this gateway; a request that would exceed it gets
@@ -284,6 +288,7 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
     """
     metrics = metrics or GatewayMetrics(model_name)
     strings = TokenStrings(tokenizer)
+    fmt = fmt or DeepSeekFormat(tokenizer.model_dir, model_name, default_thinking, tokenizer.max_token_chars)
     created = int(time.time())
     keys = frozenset(api_keys or ())
 
@@ -319,30 +324,32 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         if keys:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             given = token.strip().encode() if scheme.lower() == "bearer" else b""
+            if not given:
+                given = request.headers.get("x-api-key", "").strip().encode()
             # compare with every key, constant time each: no timing hint of which prefix matched
             if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
                 raise ApiError("invalid or missing API key", 401)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError):
-        return _error(e.status, e.message, e.param)
+    async def _api_error(request: Request, e: ApiError):
+        return _error(request, e.status, e.message, e.param)
 
     @app.exception_handler(BackendError)
-    async def _backend_error(_: Request, e: BackendError):
-        return _error(e.status, str(e))
+    async def _backend_error(request: Request, e: BackendError):
+        return _error(request, e.status, str(e))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        return _validation_error(e)
+    async def _invalid(request: Request, e: RequestValidationError):
+        return _validation_error(request, e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail))
+    async def _http(request: Request, e: StarletteHTTPException):
+        return _error(request, e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
+    async def _unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
-        return _error(500, f"internal error: {type(e).__name__}")
+        return _error(request, 500, f"internal error: {type(e).__name__}")
 
     def check_utf8(value, field: str) -> None:
         if _token_ids(value):            # no text to check (and dumping 100k ids would cost ~10 ms)
@@ -387,7 +394,7 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         if pending + len(job.samples) > max_pending:
             raise ApiError(f"too many requests in flight ({pending} samples, limit {max_pending}); retry later",
                            429)
-        gen = Generation(backend, job, tokenizer, strings, metrics, arrival, deadline, on_done=live.discard)
+        gen = Generation(backend, job, metrics, arrival, deadline, on_done=live.discard)
         live.add(gen)
         watcher = asyncio.create_task(_watch_disconnect(request, gen))
         handed_over = False
@@ -395,12 +402,11 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
             if job.stream:
                 first = await gen.next()      # headers wait for token #1 or a refusal (keeps its status)
                 handed_over = True
-                return StreamingResponse(_stream(job, gen, first, watcher), media_type="text/event-stream",
+                return StreamingResponse(_stream(job, gen, first, watcher), media_type=job.media_type,
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            results = [ChoiceResult() for _ in job.samples]
-            while (item := await gen.next()) is not None:
-                results[item[0].index].add(item[1])
-            return JSONResponse(full_response(job, results))
+            while await gen.next() is not None:       # the assemblers keep the whole response
+                pass
+            return JSONResponse(job.body(gen.asms))
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -416,7 +422,7 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         check_utf8(req.messages, "messages")
         check_utf8(req.tools, "tools")
         check_utf8(req.stop, "stop")
-        job = await asyncio.to_thread(prepare_chat, req, tokenizer, model_name, backend.max_model_len, max_n)
+        job = await asyncio.to_thread(prepare_chat, req, fmt, tokenizer, backend.max_model_len, max_n)
         return await serve(job, request, arrival, deadline)
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
@@ -426,7 +432,29 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, max_n: int = 128
         check_model(req.model)
         check_utf8(req.prompt, "prompt")
         check_utf8(req.stop, "stop")
-        job = await asyncio.to_thread(prepare_completion, req, tokenizer, model_name, backend.max_model_len, max_n)
+        job = await asyncio.to_thread(prepare_completion, req, tokenizer, strings, model_name,
+                                      backend.max_model_len, max_n)
+        return await serve(job, request, arrival, deadline)
+
+    @app.post("/v1/responses", dependencies=[Depends(auth)])
+    async def responses(req: ResponsesRequest, request: Request):
+        arrival = time.monotonic()
+        deadline = admit(request, arrival)
+        check_model(req.model)
+        check_utf8(req.input, "input")
+        check_utf8(req.tools, "tools")
+        job = await asyncio.to_thread(prepare_responses, req, fmt, tokenizer, backend.max_model_len)
+        return await serve(job, request, arrival, deadline)
+
+    @app.post("/v1/messages", dependencies=[Depends(auth)])
+    async def messages(req: MessagesRequest, request: Request):
+        arrival = time.monotonic()
+        deadline = admit(request, arrival)
+        check_model(req.model)
+        check_utf8(req.messages, "messages")
+        check_utf8(req.system, "system")
+        check_utf8(req.tools, "tools")
+        job = await asyncio.to_thread(prepare_messages, req, fmt, tokenizer, backend.max_model_len)
         return await serve(job, request, arrival, deadline)
 
     @app.get("/v1/models", dependencies=[Depends(auth)])

@@ -1,14 +1,16 @@
-"""OpenAI request models (pydantic v2) and the OpenAI error shape.
+"""Request models (pydantic v2) of the four endpoints and the OpenAI / Anthropic error shapes.
 
 Field names, types and defaults follow OpenAI's API plus vLLM's extras (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
 chat_template_kwargs, ...). Unknown fields are accepted and ignored, as vLLM does; a known field of
 the wrong type is a 400 naming the field (``gateway`` turns pydantic errors into ``ApiError``).
-Range checks that need the prompt (max_tokens vs the context) live in ``openai_serving``.
+Range checks that need the prompt (max_tokens vs the context) live in the endpoint modules; the
+conversation itself (messages, tools, tool_choice, thinking, response format) is validated by
+DeepSeek's format library when it converts the request (``server.dsformat``).
 
 Types are strict, as OpenAI's API is: an integer field refuses ``"2"``, ``2.0`` and ``true``, a
 boolean refuses ``"yes"`` and ``1``, a number refuses strings, booleans, NaN and infinities (an
-integer is a number). Limits (in the OpenAPI schema where static, else ``openai_serving``):
+integer is a number). Limits (in the OpenAPI schema where static, else the endpoint modules):
 
 * temperature [0, 2] (OpenAI; the engine itself allows up to 100), top_p (0, 1], top_k >= -1,
   min_p [0, 1], presence / frequency_penalty [-2, 2], repetition_penalty (0, 100] (vLLM: > 0; the
@@ -25,9 +27,9 @@ integer is a number). Limits (in the OpenAPI schema where static, else ``openai_
   ``MAX_STOP_TOKEN_IDS`` = 256 (every sample carries them to both workers and checks each token);
 * stream_options only with stream=true (OpenAI, vLLM); logit_bias: token-id keys, values in
   [-100, 100] (OpenAI), then refused as unsupported when non-empty;
-* tools: each ``{"type": "function", "function": {"name": non-empty, "parameters": JSON schema}}``;
-  ``parameters`` is an object schema (OpenAI: top-level ``type`` "object") whose nested ``type`` s
-  are JSON-schema types, schemas nested at most 32 deep (a function at most 64 levels of JSON);
+* tools: each ``{"type": "function", "function": {"name": non-empty, "parameters": JSON schema}}``
+  (the recipe checks them: a non-object ``parameters`` schema, an empty name, a tool_choice naming
+  an undeclared function are 400s);
 * the request body is at most ``create_app``'s ``max_body_bytes`` (32 MiB by default: a 1M-token
   context of text), enforced by ``server.body_limit`` before parsing.
 """
@@ -37,7 +39,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.chat import ROLES
 from engine.sampling import MAX_LOGPROBS
 
 MAX_STOP = 16
@@ -55,8 +56,10 @@ _Seed = Annotated[int | None, Field(ge=-(1 << 63), lt=1 << 64)]
 _Logprobs = Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)]
 _MaxTokens = Annotated[int | None, Field(ge=1)]
 
-# OpenAPI documentation of the free-form fields (validated in engine.chat / openai_serving, whose
-# errors name the exact field); nothing here changes what pydantic accepts
+ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+
+# OpenAPI documentation of the free-form fields (validated by the recipe on conversion); nothing
+# here changes what pydantic accepts
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": True, "properties": {
@@ -140,8 +143,9 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions. ``messages`` are validated by ``engine.chat`` (ChatError names
-    the field). ``max_tokens`` / ``max_completion_tokens`` None: up to the context limit."""
+    """POST /v1/chat/completions. ``messages`` are converted and validated by the recipe.
+    ``max_tokens`` / ``max_completion_tokens`` None: the recipe's default for the mode (8192
+    without thinking, 65536 with), lowered to the context left."""
 
     messages: list[dict[str, Any]] = Field(json_schema_extra={"items": _MESSAGE, "minItems": 1})
     max_tokens: _MaxTokens = None
@@ -154,6 +158,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    thinking: dict[str, Any] | None = None          # DeepSeek: {"type": "enabled" | "disabled"}
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     echo: bool = False
@@ -166,8 +171,68 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: _MaxTokens = 16
+    max_completion_tokens: _MaxTokens = None
     logprobs: _Logprobs = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+
+
+class _Extras(BaseModel):
+    """vLLM's sampling extras also accepted by /v1/responses and /v1/messages."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    stream: bool = False
+    seed: _Seed = None
+    temperature: _Temperature = None
+    top_p: _TopP = None
+    top_k: _TopK = None
+    min_p: _MinP = None
+    repetition_penalty: _RepetitionPenalty = None
+
+
+class ResponsesRequest(_Extras):
+    """POST /v1/responses (OpenAI Responses API): ``input`` (a string or a list of items),
+    ``instructions``, ``tools``, ``tool_choice``, ``reasoning``, ``text``, ``max_output_tokens``
+    are converted and validated by the recipe. Stateless: ``previous_response_id`` and
+    ``store=true`` are not kept (400 for the former)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: _MaxTokens = None
+    presence_penalty: _Penalty = None
+    frequency_penalty: _Penalty = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+
+
+class MessagesRequest(_Extras):
+    """POST /v1/messages (Anthropic Messages API): ``messages``, ``system``, ``tools``,
+    ``tool_choice``, ``thinking``, ``stop_sequences`` are converted and validated by the recipe;
+    ``max_tokens`` is required (Anthropic's rule)."""
+
+    messages: list[dict[str, Any]] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: Annotated[int, Field(ge=1)]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(message: str, status: int) -> dict:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}

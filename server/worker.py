@@ -32,6 +32,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from engine.llm_engine import LLMEngine
+from engine.run_config import DEFAULT_MODEL_NAME
 from engine.sequence import RequestOutput
 from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
@@ -55,7 +56,7 @@ class WorkerOptions:
     transfer_timeout_s: float = 60.0  # prefill: commit sent -> ack
     idle_poll_ms: int = 50           # longest idle wait; messages and transfer events wake the loop at once
     max_queued: int = 1024           # decode: samples waiting for a reservation (then 429)
-    model_name: str = "deepseek-v4"
+    model_name: str = DEFAULT_MODEL_NAME
     advertise_host: str | None = None  # decode: the host in the state address (None: ``host``)
     heartbeat_timeout_s: float = 5.0   # a silent gateway connection is dropped after this
     drain_timeout_s: float = 30.0      # SIGTERM: in-flight samples get this long, then are aborted

@@ -29,3 +29,45 @@ def serve_app(app, start_timeout_s: float = 30) -> Iterator[str]:
         srv.should_exit = True
         th.join(15)
         sock.close()
+
+
+class ScriptedBackend:
+    """A ``server.backend.Backend`` whose samples emit scripted token ids: the gateway's text path
+    (recipe conversion, encoding, output parsing, shaping) checked without a model, for outputs a
+    random tiny model never writes (DSML tool calls, ``</think>``).
+
+    Args:
+        script: ``prompt_ids -> (token ids, finish_reason)``, or a fixed pair for every sample.
+        split: token ids per event (1: one event per token; 0: all ids in one event).
+        max_model_len: the context the gateway checks prompts against.
+
+    ``requests`` records every ``GenRequest`` received (prompt ids, sampling params), in order.
+    """
+
+    def __init__(self, script, split: int = 1, max_model_len: int = 65536):
+        self._script, self.split, self.max_model_len = script, split, max_model_len
+        self.requests: list = []
+
+    async def generate(self, req):
+        from server.backend import TokenEvent
+        self.requests.append(req)
+        ids, reason = self._script(req.prompt_ids) if callable(self._script) else self._script
+        full = list(ids)
+        ids = full[:req.params.max_new_tokens]
+        if len(full) > len(ids):            # cut by max_tokens, as the engine would
+            reason = "length"
+        step = self.split or max(1, len(ids))
+        for i in range(0, max(1, len(ids)), step):
+            part = ids[i:i + step]
+            last = i + step >= len(ids)
+            yield TokenEvent(part, finished=last, finish_reason=reason if last else None,
+                             num_prompt_tokens=len(req.prompt_ids))
+
+    async def health(self):
+        return {"healthy": True}
+
+    async def start(self):
+        pass
+
+    async def close(self):
+        pass

@@ -11,7 +11,7 @@ import yaml
 
 from engine.build import build_engine
 from engine.dataset import build_prompt, load_dataset
-from engine.offline import encode_sample
+from engine.offline import chat_encoding, encode_sample
 from engine.run_config import RunConfig
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -49,9 +49,12 @@ def test_offline_outputs_match_the_engine_run_alone(config_file, tmp_path):
     assert [r["id"] for r in rows] == [s.id for s in samples]
     tok = Tokenizer(cfg.model_config.model_path)
     eng = build_engine(cfg, progress=False)
+    enc = chat_encoding(tok.model_dir)
     for row, s in zip(rows, samples):
-        ids = encode_sample(tok, build_prompt(s), 200)
+        ids = encode_sample(tok, enc, build_prompt(s), 200)
+        # one user turn in chat mode, as DeepSeek's recipe renders it: BOS <｜User｜> text <｜Assistant｜></think>
         assert row["prompt_tokens"] == len(ids) and ids.count(tok.bos_id) == 1
+        assert ids[:1] == [tok.bos_id] and ids[-2:] == [128804, 128822] and ids[1] == 128803
         ref = eng.generate([ids], SamplingParams(max_new_tokens=6, temperature=0))[0]
         assert row["output_ids"] == ref.output_ids                 # batched run == one at a time
         assert row["text"] == tok.decode(ref.output_ids, skip_special_tokens=True)

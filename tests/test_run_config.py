@@ -13,7 +13,7 @@ SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
 # reference/upstream-baseline.md §5.1 (cann-recipes-infer executor/core/config/inference_config.py)
 UPSTREAM_DEFAULTS = {
-    "model_config": dict(model_name="model", model_path="", output_path="", dtype="bfloat16", with_ckpt=True,
+    "model_config": dict(model_name="deepseek_v4", model_path="", output_path="", dtype="bfloat16", with_ckpt=True,
                          next_n=0, exe_mode="eager", enable_cache_compile=False, enable_static_kernel=False,
                          enable_dynamic_graph=True, force_eplb=False, enable_profiler=False, enable_weight_nz=True,
                          enable_hadamard=False, hadamard_weight_path=""),

@@ -1,0 +1,189 @@
+"""The DeepSeek-V4 chat format, through DeepSeek's own library ``deepseek_recipe``.
+
+One place turns an API request body (OpenAI Chat Completions, OpenAI Responses, Anthropic
+Messages) into a conversation, renders and encodes it to prompt token ids, and builds the stream
+processors that turn output token ids into the API's chunks / events (content, reasoning, DSML tool
+calls, stop sequences, usage). The gateway has no other implementation of the format: what the
+recipe renders is what the workers see, byte for byte, and what it parses is what the client gets.
+
+What the gateway does around the recipe (vLLM's extensions and serving concerns, not the format):
+
+* before conversion: ``developer`` messages become ``system`` ones (OpenAI's meaning for models
+  without a separate developer role; the recipe's Chat Completions converter has no such role);
+  ``max_completion_tokens`` becomes ``max_tokens`` (the recipe reads only the latter); vLLM's
+  ``chat_template_kwargs.thinking`` / ``enable_thinking`` / ``reasoning_effort`` become DeepSeek's
+  ``thinking: {"type": ...}`` / ``reasoning_effort`` when the body has none; ``n``, ``seed`` and
+  vLLM's sampling extras are the gateway's own (``n > 1`` runs one processor per sample; the seed
+  range is vLLM's 64-bit one) and are not passed on.
+* the model name: the served name is the only one accepted (the gateway answers 404 before
+  conversion) and selects the V4 encoding (``ModelVersion.DeepseekV4Pro``: V4-Flash and V4-Pro
+  share it; ``DeepseekV41Flash`` is the V4.1 format).
+* constraints: a response format that needs enforcement (json_object, json_schema, regex) is
+  refused with 400 naming the field until constrained decoding exists; a required / named tool
+  choice works through the recipe's prefill of the tool-call block.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import deepseek_recipe as dr
+
+from server.protocol import ApiError
+
+#: The recipe's model version whose encoding the DeepSeek-V4 checkpoints (Flash and Pro) use.
+V4 = dr.ModelVersion.DeepseekV4Pro
+
+_REQUESTS = {"chat": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest, "messages": dr.MessagesRequest}
+# the field a constraint comes from, per API (named in the 400)
+_CONSTRAINT_FIELD = {"chat": "response_format", "responses": "text.format", "messages": "output_format"}
+# fields the gateway handles itself (n, seed) or that only vLLM knows; the recipe never sees them
+_GATEWAY_FIELDS = ("n", "seed", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+                   "include_stop_str_in_output", "skip_special_tokens", "return_token_ids", "min_tokens",
+                   "chat_template_kwargs", "max_completion_tokens", "logit_bias", "echo", "add_generation_prompt")
+_FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
+           "abort": dr.InferenceFinishReason.Stop}
+
+
+def finish_reason(reason: str | None) -> dr.InferenceFinishReason:
+    """The recipe's finish reason for a backend one ("stop", "length", "abort")."""
+    return _FINISH.get(reason or "stop", dr.InferenceFinishReason.Stop)
+
+
+def _recipe_message(e: Exception) -> tuple[int, str]:
+    """(status, message) of a recipe error: ``ConversionError`` carries an OpenAI-shaped body,
+    a malformed body surfaces as ``ValueError`` from its deserialiser."""
+    status = getattr(e, "status_code", 400)
+    body = getattr(e, "body", None)
+    if body:
+        try:
+            return status, json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return status, str(body)
+    return status, str(e).strip()
+
+
+def chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
+    """The Chat Completions body the recipe converts (see the module docstring)."""
+    out = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
+    out["model"] = model
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        out["max_tokens"] = body["max_completion_tokens"]
+    kw = body.get("chat_template_kwargs") or {}
+    thinking = kw.get("thinking", kw.get("enable_thinking"))
+    if "thinking" not in body and isinstance(thinking, bool):
+        out["thinking"] = {"type": "enabled" if thinking else "disabled"}
+    if body.get("reasoning_effort") is None and isinstance(kw.get("reasoning_effort"), str):
+        out["reasoning_effort"] = kw["reasoning_effort"]
+    msgs = out.get("messages")
+    if isinstance(msgs, list) and any(isinstance(m, dict) and m.get("role") == "developer" for m in msgs):
+        out["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                           for m in msgs]
+    return out
+
+
+def api_body(api: str, body: dict[str, Any], model: str) -> dict[str, Any]:
+    """The body of ``api`` ("chat" / "responses" / "messages") as the recipe converts it."""
+    if api == "chat":
+        return chat_body(body, model)
+    out = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
+    out["model"] = model
+    return out
+
+
+class DeepSeekFormat:
+    """The served model's chat format: conversion, prompt encoding and output processors.
+
+    Args:
+        model_dir: the checkpoint directory (its ``tokenizer.json`` is the recipe's tokenizer).
+        model_name: the served model name (the only one a request may name).
+        default_thinking: thinking mode of a request that does not choose (DeepSeek's API and the
+            recipe default to enabled).
+        max_token_chars: the most characters one token covers, so a prompt of C characters has at
+            least C / max_token_chars tokens (``engine.tokenizer.Tokenizer.max_token_chars``);
+            a prompt that cannot fit the context is refused before it is encoded.
+
+    Raises:
+        ApiError: never at construction; ``FileNotFoundError`` / ``ValueError`` for a checkpoint
+            without a readable ``tokenizer.json``.
+    """
+
+    def __init__(self, model_dir: str | Path, model_name: str, default_thinking: bool = True,
+                 max_token_chars: int = 256):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer: {path} not found")
+        self.tokenizer = dr.Tokenizer.from_file(str(path))
+        self.model_name = model_name
+        self.default_thinking = default_thinking
+        self.max_token_chars = max_token_chars
+        self.options = (dr.ConversionOptions(default_thinking_mode=default_thinking)
+                        .with_model_versions_by_name({model_name: V4}))
+        self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+
+    def convert(self, api: str, body: dict[str, Any]) -> tuple[dr.ConversationRequest, dict]:
+        """Convert a request body; returns (the recipe's request, extras read before conversion:
+        ``echo`` / ``namespace_tool_map`` for Responses).
+
+        Raises:
+            ApiError: 400 (or the recipe's status) with the recipe's message; 400 naming the
+                constraint field for a response format that needs constrained decoding.
+        """
+        cls = _REQUESTS[api]
+        extras: dict = {}
+        try:
+            req = cls(api_body(api, body, self.model_name))
+            if api == "responses":
+                extras = {"echo": req.echo(), "namespace_tool_map": req.namespace_tool_map(self.options)}
+            cr = req.convert(self.options)
+        except (dr.ConversionError, ValueError, TypeError) as e:
+            status, msg = _recipe_message(e)
+            raise ApiError(msg, status if 400 <= status < 500 else 400) from None
+        oc = cr.inference_options.output_constraint
+        if oc is not None and oc.kind in ("json", "regex"):
+            f = _CONSTRAINT_FIELD[api]
+            raise ApiError(f"{f}: a {oc.kind} output constraint needs constrained decoding, which this server "
+                           f"does not do yet; leave {f} out (or 'text')", 400, f)
+        return cr, extras
+
+    def encode(self, cr: dr.ConversationRequest, max_model_len: int, field: str) -> list[int]:
+        """Render + encode the conversation to prompt token ids (special-token spellings in message
+        text are text, never special ids: the recipe encodes only its own markers as specials).
+
+        Raises:
+            ApiError: 400 naming ``field`` when the prompt cannot fit ``max_model_len`` tokens.
+        """
+        rendered = self.encoding.render_conversation(cr.conversation)
+        limit = max_model_len * self.max_token_chars
+        if len(rendered.prompt) > limit:
+            raise ApiError(f"{field}: {len(rendered.prompt)} characters cannot fit the context of {max_model_len} "
+                           f"tokens (a token covers at most {self.max_token_chars} characters)", 400, field)
+        try:
+            return self.encoding.encode(cr.conversation)
+        except RuntimeError as e:
+            raise ApiError(f"{field}: cannot encode the conversation ({e})", 400, field) from None
+
+    def max_tokens(self, cr: dr.ConversationRequest, prompt_tokens: int, max_model_len: int) -> int:
+        """Tokens to generate: the request's, or the recipe's default for the mode (8192 without
+        thinking, 65536 with, 131072 at max effort), lowered to the context left.
+
+        Raises:
+            ApiError: 400 when the prompt (plus a requested max_tokens) exceeds the context.
+        """
+        try:
+            return cr.resolve_max_tokens(prompt_tokens, max_model_len)
+        except (dr.ConversionError, ValueError) as e:
+            raise ApiError(_recipe_message(e)[1], 400, "max_tokens") from None
+
+    def processor(self, api: str, cr: dr.ConversationRequest, response_id: str, extras: dict,
+                  parsing: dr.ParsingOptions | None = None) -> dr.StreamProcessor:
+        """A new stream processor for one sample of ``cr`` (one per sample: each keeps its own
+        parse state). ``parsing`` overrides the request's parsing options."""
+        gen = _REQUESTS[api].chunk_generator(cr, response_id, self.model_name)
+        if api == "responses":
+            if extras.get("namespace_tool_map"):
+                gen = gen.with_namespace_tool_map(extras["namespace_tool_map"])
+            if extras.get("echo") is not None:
+                gen = gen.with_echo(extras["echo"])
+        return dr.StreamProcessor(gen, parsing or cr.parsing_options, self.tokenizer)

@@ -1,0 +1,139 @@
+"""One sample's output token ids -> the recipe's chunks / events (chat, Responses, Messages).
+
+Each sample has its own ``deepseek_recipe.StreamProcessor``: it decodes the ids, splits reasoning
+from content at ``</think>``, parses DSML tool calls into JSON arguments, applies stop sequences
+to content only (never to reasoning or a tool-call block) and shapes the API's chunks. Around it,
+vLLM's token rules:
+
+* the final stop token (EOS or one of ``stop_token_ids``) is counted but its text is not output,
+  unless ``include_stop_str_in_output``; with ``skip_special_tokens`` (the default) BOS / EOS met
+  mid-output (``ignore_eos``) are counted without text too. A counted token without text goes in as
+  ``InferenceChunk.text("", 1)``, so the recipe's token counts equal the engine's;
+* a stop sequence the recipe matched ends the sample (finish "stop"; the gateway then aborts the
+  backend stream); with ``include_stop_str_in_output`` the matched string is appended to the content
+  (``stop_suffix``: the stop string whose last occurrence in the decoded output ends nearest to
+  its end, i.e. the one the last token completed; it travels as the stopping piece's ``text``).
+"""
+from __future__ import annotations
+
+import deepseek_recipe as dr
+
+from engine.sampling import Sampled
+from server.backend import TokenEvent
+from server.dsformat import finish_reason
+from server.jobs import Piece
+
+
+def _lps(x: Sampled | None):
+    if x is None:
+        return None
+    return [(x.logprob if x.logprob is not None else -9999.0,
+             [(t, v if v is not None else -9999.0) for t, v in (x.top_logprobs or [])])]
+
+
+class RecipeAssembler:
+    """Feeds one sample's ``TokenEvent`` s to its stream processor.
+
+    Args:
+        processor: a fresh ``deepseek_recipe.StreamProcessor`` for this sample.
+        prompt_tokens: the prompt's token count (the recipe reports it in usage).
+        accumulate: a recipe response object (``ChatCompletionResponse`` / ``ResponsesResponse`` /
+            ``MessagesResponse``) that collects every chunk for a non-streamed response; None when
+            streaming (the chunks then travel in the pieces).
+        special_ids: token ids whose text ``skip_special_tokens`` drops (BOS, EOS).
+        include_stop: output the text of a final stop token / a matched stop string.
+        stops: the request's stop strings (for ``stop_suffix``); decode: ids -> text.
+    """
+
+    def __init__(self, processor: dr.StreamProcessor, prompt_tokens: int, accumulate=None,
+                 special_ids: frozenset[int] = frozenset(), include_stop: bool = False,
+                 stops: tuple[str, ...] = (), decode=None):
+        self._proc = processor
+        self._acc = accumulate
+        self._special = special_ids
+        self._include_stop = include_stop
+        self._stops, self._decode = stops, decode
+        self._ids: list[int] = []           # ids whose text the processor saw
+        self.token_ids: list[int] = []      # every output id (return_token_ids)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+        self.stop_suffix = ""
+        self._pending = self._out(processor.push(dr.InferenceChunk.ready(
+            prompt_usage=dr.PromptUsage(prompt_tokens=prompt_tokens))))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def response(self):
+        """The recipe response object that accumulated every chunk (non-streamed), or None."""
+        return self._acc
+
+    def _out(self, chunks: list) -> list:
+        if self._acc is None:
+            return chunks
+        for c in chunks:
+            self._acc.accumulate(c)
+        return []
+
+    def feed(self, ev: TokenEvent) -> Piece:
+        """Consume one event; the chunks it produced (streaming) in a piece."""
+        if self.finished:
+            return Piece(total_tokens=self.num_tokens)
+        out, self._pending = self._pending, []
+        ids: list[int] = []
+        n0, last = self.num_tokens, len(ev.token_ids) - 1
+        proc = self._proc
+        for k, tid in enumerate(ev.token_ids):
+            self.num_tokens += 1
+            ids.append(tid)
+            self.token_ids.append(tid)
+            stop_token = ev.finished and k == last and ev.finish_reason == "stop"
+            if (stop_token and not self._include_stop) or tid in self._special:
+                chunk = dr.InferenceChunk.text("", 1)
+            else:
+                self._ids.append(tid)
+                lp = _lps(ev.logprobs[k]) if ev.logprobs is not None and k < len(ev.logprobs) else None
+                chunk = dr.InferenceChunk.tokens([tid], lp)
+            out += self._out(proc.push(chunk))
+            if proc.finished:                     # a stop sequence matched: the recipe ended the output
+                self.finish_reason, self.stopped_by_string = "stop", True
+                self._set_stop_suffix()
+                break
+        if ev.finished and not self.finished:
+            out += self._end(ev.finish_reason or "stop")
+        return Piece(text=self.stop_suffix, chunks=out, num_tokens=self.num_tokens - n0,
+                     total_tokens=self.num_tokens, finish_reason=self.finish_reason, token_ids=ids)
+
+    def abort(self, reason: str = "abort") -> Piece:
+        """End without a final event (the backend stream ended early)."""
+        if self.finished:
+            return Piece(total_tokens=self.num_tokens)
+        out, self._pending = self._pending, []
+        out += self._end(reason)
+        return Piece(chunks=out, total_tokens=self.num_tokens, finish_reason=self.finish_reason)
+
+    def close(self) -> None:
+        """Release the processor of a sample that will not finish (error, disconnect)."""
+        if not self._proc.finished:
+            self._proc.close()
+
+    def _end(self, reason: str) -> list:
+        self.finish_reason = reason
+        out = self._out(self._proc.push(dr.InferenceChunk.finish(finish_reason(reason))))
+        return out + self._out(self._proc.finish())
+
+    def _set_stop_suffix(self) -> None:
+        if not (self._include_stop and self._stops and self._decode):
+            return
+        text = self._decode(self._ids)
+        best = None                              # (chars after the match, -length, stop)
+        for s in self._stops:
+            i = text.rfind(s)
+            if i != -1:
+                key = (len(text) - i - len(s), -len(s), s)
+                best = key if best is None or key < best else best
+        if best is not None:
+            self.stop_suffix = best[2]
