@@ -56,7 +56,7 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
     body = req.model_dump(exclude_unset=True)
     cr, _ = fmt.convert("chat", body)
     ids = fmt.encode(cr, max_model_len, "messages")
-    max_new = fmt.max_tokens(cr, len(ids), max_model_len)
+    max_new = fmt.max_tokens(cr, len(ids), max_model_len, "messages")
     fields = recipe_sampling(body, cr)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     samples = [Sample(i, 0, f"{base}-{i}", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, i),

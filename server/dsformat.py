@@ -30,6 +30,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from server.format_errors import image_part, locate, too_deep
 from server.protocol import ApiError
 
 #: The recipe's model version whose encoding the DeepSeek-V4 checkpoints (Flash and Pro) use.
@@ -42,6 +43,7 @@ _CONSTRAINT_FIELD = {"chat": "response_format", "responses": "text.format", "mes
 _GATEWAY_FIELDS = ("n", "seed", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
                    "include_stop_str_in_output", "skip_special_tokens", "return_token_ids", "min_tokens",
                    "chat_template_kwargs", "max_completion_tokens", "logit_bias", "echo", "add_generation_prompt")
+MAX_DEPTH = 128          # the recipe's JSON nesting limit (serde_json's), checked first to name the field
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
            "abort": dr.InferenceFinishReason.Stop}
 
@@ -72,7 +74,7 @@ def chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
         out["max_tokens"] = body["max_completion_tokens"]
     kw = body.get("chat_template_kwargs") or {}
     thinking = kw.get("thinking", kw.get("enable_thinking"))
-    if "thinking" not in body and isinstance(thinking, bool):
+    if body.get("thinking") is None and isinstance(thinking, bool):
         out["thinking"] = {"type": "enabled" if thinking else "disabled"}
     if body.get("reasoning_effort") is None and isinstance(kw.get("reasoning_effort"), str):
         out["reasoning_effort"] = kw["reasoning_effort"]
@@ -132,14 +134,26 @@ class DeepSeekFormat:
         """
         cls = _REQUESTS[api]
         extras: dict = {}
+        recipe_body = api_body(api, body, self.model_name)
+        for k, v in recipe_body.items():
+            if too_deep(v, MAX_DEPTH - 1):
+                raise ApiError(f"{k}: JSON nested deeper than {MAX_DEPTH} levels", 400, k)
+        where = image_part(recipe_body)
+        if where:
+            raise ApiError(f"{where}: images are not supported (DeepSeek-V4 is a text model)", 400, where)
         try:
-            req = cls(api_body(api, body, self.model_name))
+            req = cls(recipe_body)
             if api == "responses":
                 extras = {"echo": req.echo(), "namespace_tool_map": req.namespace_tool_map(self.options)}
             cr = req.convert(self.options)
-        except (dr.ConversionError, ValueError, TypeError) as e:
+        except (dr.ConversionError, ValueError, TypeError, OverflowError) as e:
             status, msg = _recipe_message(e)
-            raise ApiError(msg, status if 400 <= status < 500 else 400) from None
+            msg = msg.removeprefix("invalid request body: ")
+            param = locate(api, recipe_body, msg, not isinstance(e, dr.ConversionError),
+                           lambda b: cls(b).convert(self.options))
+            if param and not msg.startswith(param):
+                msg = f"{param}: {msg}"
+            raise ApiError(msg, status if 400 <= status < 500 else 400, param) from None
         oc = cr.inference_options.output_constraint
         if oc is not None and oc.kind in ("json", "regex"):
             f = _CONSTRAINT_FIELD[api]
@@ -164,13 +178,18 @@ class DeepSeekFormat:
         except RuntimeError as e:
             raise ApiError(f"{field}: cannot encode the conversation ({e})", 400, field) from None
 
-    def max_tokens(self, cr: dr.ConversationRequest, prompt_tokens: int, max_model_len: int) -> int:
+    def max_tokens(self, cr: dr.ConversationRequest, prompt_tokens: int, max_model_len: int,
+                   field: str = "messages") -> int:
         """Tokens to generate: the request's, or the recipe's default for the mode (8192 without
         thinking, 65536 with, 131072 at max effort), lowered to the context left.
 
         Raises:
-            ApiError: 400 when the prompt (plus a requested max_tokens) exceeds the context.
+            ApiError: 400 naming ``field`` when the prompt leaves no room to generate, naming
+                max_tokens when the prompt plus the requested max_tokens exceeds the context.
         """
+        if prompt_tokens >= max_model_len:
+            raise ApiError(f"{field}: {prompt_tokens} tokens leave no room to generate within the model's context "
+                           f"length of {max_model_len} tokens", 400, field)
         try:
             return cr.resolve_max_tokens(prompt_tokens, max_model_len)
         except (dr.ConversionError, ValueError) as e:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling import MAX_LOGPROBS
 
@@ -114,10 +114,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False      # vLLM extra: usage on every chunk
 
 
-class _Sampling(BaseModel):
-    """Fields shared by both endpoints (OpenAI + vLLM extras)."""
+class _NullIsDefault(BaseModel):
+    """``null`` for a field with a non-null default means the default (OpenAI and vLLM accept
+    ``"n": null``, ``"stream": null`` ...)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None}
+        return data
+
+
+class _Sampling(_NullIsDefault):
+    """Fields shared by both endpoints (OpenAI + vLLM extras)."""
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -179,10 +193,8 @@ class CompletionRequest(_Sampling):
     add_special_tokens: bool = True
 
 
-class _Extras(BaseModel):
+class _Extras(_NullIsDefault):
     """vLLM's sampling extras also accepted by /v1/responses and /v1/messages."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     stream: bool = False

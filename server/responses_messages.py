@@ -28,7 +28,7 @@ def _prepare(api: str, req, fmt: DeepSeekFormat, tokenizer, max_model_len: int, 
     body = req.model_dump(exclude_unset=True)
     cr, extras = fmt.convert(api, body)
     ids = fmt.encode(cr, max_model_len, field)
-    max_new = fmt.max_tokens(cr, len(ids), max_model_len)
+    max_new = fmt.max_tokens(cr, len(ids), max_model_len, field)
     logprobs = None
     if api == "responses" and (body.get("top_logprobs") or 0) > 0:
         raise ApiError("top_logprobs: not supported on /v1/responses (use /v1/chat/completions)", 400,

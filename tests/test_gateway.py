@@ -1,8 +1,10 @@
 """OpenAI gateway: a real uvicorn server, the real ``openai`` client, LocalBackend over the tiny engine.
 
 Expected values come from the same engine run directly (``engine.generate``) before the server
-starts: greedy text, seeded samples, logprobs. Tool-call / reasoning assembly is checked at the
-serving layer by feeding the token ids of a DSML text (the random tiny model never writes one).
+starts: greedy text, seeded samples, logprobs; chat prompt ids are DeepSeek's recipe's encoding
+(``server.dsformat``). The app runs with thinking off by default so the random model's text lands in
+``content`` (stop strings apply to content only); thinking mode is checked on its own. DSML tool-call
+and reasoning parsing are covered by tests/test_format_outputs.py (the random model never writes one).
 """
 from __future__ import annotations
 
@@ -17,17 +19,16 @@ import openai
 import pytest
 
 from engine.build import build_engine
-from engine.chat import apply_chat_template, prompt_token_ids
 from engine.run_config import RunConfig
-from engine.sampling import Sampled, SamplingParams
-from engine.tokenizer import EOS_TOKEN, Tokenizer
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
 from server.backend import BackendError, TokenEvent
+from server.completions import TokenStrings, prepare_completion
+from server.dsformat import DeepSeekFormat
 from server.gateway import create_app
 from server.local import LocalBackend
 from serve_util import serve_app
-from server.openai_serving import (ChoiceResult, SampleAssembler, TokenStrings, full_response, piece_chunk,
-                                   prepare_chat, prepare_completion)
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-dsv4"
@@ -45,8 +46,11 @@ def stack(tiny_ckpt):
     ckpt = tiny_ckpt("flash", 1)
     engine = build_engine(RunConfig.from_yaml(ROOT / "configs" / "tiny-flash.yaml"), ckpt, progress=False)
     tok = Tokenizer(ckpt)
-    chat_ids = prompt_token_ids(tok, apply_chat_template(HELLO))
-    think_ids = prompt_token_ids(tok, apply_chat_template(HELLO, thinking=True))
+    fmt = DeepSeekFormat(ckpt, MODEL, default_thinking=False)
+    chat_ids = fmt.encode(fmt.convert("chat", {"messages": HELLO})[0], 4096, "messages")
+    think_ids = fmt.encode(fmt.convert("chat", {"messages": HELLO, "thinking": {"type": "enabled"}})[0], 4096,
+                           "messages")
+    assert chat_ids[-2:] == [128804, 128822] and think_ids[-2:] == [128804, 128821]   # </think> vs <think>
     cmpl_ids = tok.encode(COMPLETION_PROMPT, add_bos=True)
     gen = engine.generate
     ref = {
@@ -58,7 +62,7 @@ def stack(tiny_ckpt):
                    for i in range(3)],
         "chat_ids": chat_ids, "cmpl_ids": cmpl_ids,
     }
-    with serve_app(create_app(LocalBackend(engine), tok, MODEL)) as url:
+    with serve_app(create_app(LocalBackend(engine), tok, MODEL, default_thinking=False)) as url:
         yield url, engine, tok, ref
 
 
@@ -227,42 +231,62 @@ def test_max_tokens_one_tools_and_thinking(stack, client):
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
                                        extra_body={"chat_template_kwargs": {"thinking": True}})
     m = r.choices[0].message
-    assert m.reasoning_content == _text(tok, ref["think"]) and m.content == ""   # no </think>: all reasoning
+    assert m.reasoning_content == _text(tok, ref["think"]) and not m.content   # no </think>: all reasoning
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
+                                       extra_body={"thinking": {"type": "enabled"}})
+    assert r.choices[0].message.reasoning_content == _text(tok, ref["think"])
 
 
 # ---- errors ---------------------------------------------------------------------------------------------
+# (path, body, status, param, what the message says). Conversation errors are the recipe's messages.
 BAD = [
-    ("/v1/chat/completions", {"model": "nope", "messages": HELLO}, 404, "model"),
-    ("/v1/chat/completions", {"messages": HELLO, "temperature": -1}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": HELLO, "temperature": "hot"}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": HELLO, "n": 0}, 400, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"temperature": 0}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "nope", "messages": HELLO}, 404, "model", "model"),
+    ("/v1/chat/completions", {"messages": HELLO, "temperature": -1}, 400, "temperature", "temperature"),
+    ("/v1/chat/completions", {"messages": HELLO, "temperature": "hot"}, 400, "temperature", "temperature"),
+    ("/v1/chat/completions", {"messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HELLO, "n": 0}, 400, "n", "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, None, "robot"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"temperature": 0}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
     ("/v1/chat/completions", {"messages": HELLO, "tool_choice": {"type": "function", "function": {"name": "f"}},
-                              "tools": [{"type": "function", "function": {"name": "g"}}]}, 400, "tool_choice"),
-    ("/v1/chat/completions", {"messages": HELLO, "chat_template_kwargs": {"reasoning_effort": "extreme"}}, 400,
-     "chat_template_kwargs.reasoning_effort"),
-    ("/v1/chat/completions", {"messages": HELLO, "stream": True, "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": [129280]}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+                              "tools": [{"type": "function", "function": {"name": "g"}}]}, 400, None, "'f'"),
+    ("/v1/chat/completions", {"messages": HELLO, "thinking": {"type": "sometimes"}}, 400, None, "sometimes"),
+    ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, 400, "response_format", "constrained decoding"),
+    ("/v1/chat/completions", {"messages": HELLO, "stream": True, "top_p": 0}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": [5] * 4096}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs"),
+    ("/v1/completions", {"prompt": [129280]}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 3}, 400, "min_tokens", "min_tokens"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 5000}, 400, "max_completion_tokens",
+     "max_completion_tokens"),
+    ("/v1/responses", {"input": 5}, 400, "input", "input"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id",
+     "previous_response_id"),
 ]
 
 
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(stack, client):
     url, engine, tok, ref = stack
     with httpx.Client(base_url=url, timeout=30) as h:
-        for path, body, status, param in BAD:
+        for path, body, status, param, says in BAD:
             r = h.post(path, json=body)
             assert r.status_code == status, (body, r.text)
             err = r.json()["error"]
-            assert err["param"] == param and err["code"] == status and err["message"].startswith(param), err
+            assert err["param"] == param and err["code"] == status and says in err["message"], err
             assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        for body, status, says in [({"messages": HELLO}, 400, "max_tokens"),      # Anthropic requires it
+                                   ({"messages": HELLO, "max_tokens": 4, "model": "nope"}, 404, "nope"),
+                                   ({"messages": [{"role": "robot", "content": "x"}], "max_tokens": 4}, 400, "robot")]:
+            r = h.post("/v1/messages", json=body)
+            assert r.status_code == status, r.text
+            e = r.json()
+            assert e["type"] == "error" and says in e["error"]["message"], e
+            assert e["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
         r = h.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
         assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
         assert h.get("/v1/nothing").status_code == 404 and "error" in h.get("/v1/nothing").json()
@@ -274,13 +298,15 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(stack, client):
     assert _idle(engine)
 
 
-def test_error_after_streaming_started_is_an_sse_event():
-    """A backend failure after token #1: a final ``data: {"error": ...}`` event, then [DONE]."""
+def test_error_after_streaming_started_is_an_error_event_in_each_apis_form(tok):
+    """A backend failure after token #1 ends the stream with the API's error event: OpenAI's
+    ``data: {"error": ...}`` + [DONE] (chat, completions), Responses' ``event: error``, Anthropic's
+    ``event: error`` with ``{"type": "error", "error": {...}}``; non-streamed, the status itself."""
     class Failing:
-        max_model_len = 64
+        max_model_len = 4096
 
         async def generate(self, req):
-            yield TokenEvent([5], num_prompt_tokens=len(req.prompt_ids))
+            yield TokenEvent([tok.encode("Hi")[0]], num_prompt_tokens=len(req.prompt_ids))
             raise BackendError("decode worker died", 502)
 
         async def health(self):
@@ -292,28 +318,44 @@ def test_error_after_streaming_started_is_an_sse_event():
         async def close(self):
             pass
 
-    class Tok:
-        vocab_size, bos_id, eos_id, max_token_chars = 100, 0, 1, 16
-
-        def encode(self, text, add_bos=False):
-            return [0, 7, 8] if add_bos else [7, 8]
-
-        def decode(self, ids, skip_special_tokens=False):
-            return "".join(f"<{i}>" for i in ids)
+    def sse(text):
+        return [(ev.split("\n")[0][len("event: "):] if ev.startswith("event: ") else None,
+                 ev.split("data: ", 1)[1]) for ev in text.split("\n\n") if ev]
 
     async def go():
-        app = create_app(Failing(), Tok(), "m", api_keys=["k1"])
+        app = create_app(Failing(), tok, "m", api_keys=["k1"], default_thinking=False)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
             body = {"prompt": "x", "max_tokens": 4, "stream": True}
             assert (await h.post("/v1/completions", json=body)).status_code == 401
             auth = {"Authorization": "Bearer k1"}
             r = await h.post("/v1/completions", json=body, headers=auth)
             assert r.status_code == 200
-            events = [x[len("data: "):] for x in r.text.split("\n\n") if x]
-            assert json.loads(events[0])["choices"][0]["text"] == "<5>"
+            events = [d for _, d in sse(r.text)]
+            assert json.loads(events[0])["choices"][0]["text"] == "Hi"
             assert json.loads(events[1])["error"]["code"] == 502 and events[2] == "[DONE]"
             r = await h.post("/v1/completions", json={**body, "stream": False}, headers=auth)
             assert r.status_code == 502 and r.json()["error"]["message"] == "decode worker died"
+            chat = {"messages": HELLO, "max_tokens": 4, "stream": True}
+            events = sse((await h.post("/v1/chat/completions", json=chat, headers=auth)).text)
+            assert json.loads(events[-2][1])["error"]["code"] == 502 and events[-1][1] == "[DONE]"
+            assert "Hi" in "".join(json.loads(d)["choices"][0]["delta"].get("content") or ""
+                                   for _, d in events[:-2])
+            events = sse((await h.post("/v1/responses", json={"input": "Hi", "stream": True}, headers=auth)).text)
+            assert events[0][0] == "response.created" and events[-1][0] == "error"
+            err = json.loads(events[-1][1])
+            assert err["type"] == "error" and err["message"] == "decode worker died" and err["code"] == "502"
+            assert err["sequence_number"] == len(events) - 1
+            msgs = {"messages": HELLO, "max_tokens": 4, "stream": True}
+            assert (await h.post("/v1/messages", json=msgs)).status_code == 401
+            r = await h.post("/v1/messages", json=msgs, headers={"x-api-key": "k1"})    # Anthropic's header
+            events = sse(r.text)
+            assert events[0][0] == "message_start" and events[-1][0] == "error"
+            assert json.loads(events[-1][1]) == {"type": "error", "error": {"type": "api_error",
+                                                                          "message": "decode worker died"}}
+            r = await h.post("/v1/messages", json={**msgs, "stream": False}, headers={"x-api-key": "k1"})
+            assert r.status_code == 502 and r.json()["error"]["type"] == "api_error"
+            r = await h.post("/v1/messages", json=msgs, headers={"x-api-key": "wrong"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
             assert (await h.get("/health")).status_code == 503
     asyncio.run(go())
 
@@ -359,78 +401,33 @@ def test_client_disconnect_aborts_the_sample(stack):
         time.sleep(0.05)
 
 
-# ---- serving layer: tool calls, reasoning, stop hold-back (no model) ---------------------------------------
+# ---- serving layer: stop hold-back (no model) -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tok(tiny_ckpt):
     return Tokenizer(tiny_ckpt("flash", 1))
 
 
 def _feed_text(job, tok, text, reason="stop", eos=True):
-    """Feed ``text``'s token ids one event each (+ EOS); returns the pieces of sample 0."""
-    asm = SampleAssembler(job, job.samples[0], tok, TokenStrings(tok))
+    """Feed ``text``'s token ids one event each (+ EOS); returns the assembler and its pieces."""
+    asm = job.assembler(job.samples[0])
     ids = tok.encode(text) + ([tok.eos_id] if eos else [])
     pieces = []
     for j, t in enumerate(ids):
         last = j == len(ids) - 1
-        pieces.append(asm.feed(TokenEvent([t], [Sampled(t, -0.5, [(t, -0.5)])], last, reason if last else None)))
+        pieces.append(asm.feed(TokenEvent([t], None, last, reason if last else None)))
         if asm.finished:
             break
     return asm, pieces
 
 
-def test_tool_calls_and_reasoning_from_dsml_token_ids(tok):
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    req = ChatCompletionRequest(messages=HELLO, tools=tools, logprobs=True, stream=True,
-                                chat_template_kwargs={"thinking": True})
-    job = prepare_chat(req, tok, MODEL, 4096, 8)
-    assert job.thinking and job.tools_enabled and job.samples[0].params.logprobs == 0
-    dsml = ('I should call the tool.</think>Checking.\n\n<｜DSML｜tool_calls>\n'
-            '<｜DSML｜invoke name="get_weather">\n'
-            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-            '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
-            '</｜DSML｜tool_calls>')
-    asm, pieces = _feed_text(job, tok, dsml)
-    chunks = [c for c in (piece_chunk(job, job.samples[0], p) for p in pieces) if c]
-    deltas = [c["choices"][0]["delta"] for c in chunks]
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should call the tool."
-    assert "".join(d.get("content", "") for d in deltas) == "Checking."
-    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 2}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    assert sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks) == asm.num_tokens
-    assert all(EOS_TOKEN not in json.dumps(d, ensure_ascii=False) for d in deltas)
-    res = ChoiceResult()
-    for p in pieces:
-        res.add(p)
-    body = full_response(job, [res])
-    msg = body["choices"][0]["message"]
-    assert msg["reasoning_content"] == "I should call the tool." and msg["content"] == "Checking."
-    assert msg["tool_calls"][0]["function"]["name"] == "get_weather" and "index" not in msg["tool_calls"][0]
-    assert body["usage"]["completion_tokens"] == asm.num_tokens
-    # tool_choice "none": tools left out of the prompt, DSML stays plain content
-    job = prepare_chat(ChatCompletionRequest(messages=HELLO, tools=tools, tool_choice="none"), tok, MODEL, 4096, 8)
-    assert not job.tools_enabled
-    _, pieces = _feed_text(job, tok, dsml)
-    assert "".join(p.text for p in pieces) == dsml and pieces[-1].finish_reason == "stop"
-    # parallel_tool_calls=false keeps the first call only
-    two = dsml.replace("</｜DSML｜tool_calls>", '<｜DSML｜invoke name="get_weather">\n</｜DSML｜invoke>\n'
-                       "</｜DSML｜tool_calls>").replace("</think>", "")
-    job = prepare_chat(ChatCompletionRequest(messages=HELLO, tools=tools, parallel_tool_calls=False), tok, MODEL,
-                       4096, 8)
-    _, pieces = _feed_text(job, tok, two.replace("I should call the tool.", ""))
-    assert [c["function"]["name"] for p in pieces for c in p.tool_calls] == ["get_weather"]
-    assert pieces[-1].finish_reason == "tool_calls"
-
-
 def test_stop_string_hold_back_at_the_serving_layer(tok):
     req = CompletionRequest(prompt="x", stop=["STOP here", "xyz"], stream=True,
                             stream_options={"include_usage": True, "continuous_usage_stats": True})
-    job = prepare_completion(req, tok, MODEL, 4096, 8)
+    job = prepare_completion(req, tok, TokenStrings(tok), MODEL, 4096, 8)
     text = "Some text. STOP nearly, then STOP here and more"
     asm, pieces = _feed_text(job, tok, text, reason=None, eos=False)
-    chunks = [(p, piece_chunk(job, job.samples[0], p)) for p in pieces]
-    assert all(c["usage"]["completion_tokens"] == p.total_tokens for p, c in chunks if c)
+    chunks = [(p, json.loads(e[len("data: "):])) for p in pieces for e in job.events(job.samples[0], p)]
+    assert all(c["usage"]["completion_tokens"] == p.total_tokens for p, c in chunks)
     assert "".join(p.text for p in pieces) == "Some text. STOP nearly, then "
     assert pieces[-1].finish_reason == "stop" and asm.stopped_by_string
     emitted = ""
