@@ -5,8 +5,8 @@ this module adds what a vLLM user expects beyond DeepSeek's API: ``n`` > 1 (one 
 sample, the chunk's choice ``index`` set to the sample's), ``seed`` over the 64-bit range, vLLM's
 sampling extras, ``return_token_ids`` (``prompt_token_ids`` on the first chunk / in each choice,
 ``token_ids`` per chunk and choice), ``include_stop_str_in_output`` and OpenAI's usage rules
-(``stream_options.include_usage``: one last chunk with empty choices and the usage;
-``continuous_usage_stats``: usage on every chunk; no usage otherwise), with
+(``stream_options.include_usage``: one last chunk with empty choices and the usage; with vLLM's
+``continuous_usage_stats`` too: usage on every chunk; no usage otherwise), with
 ``completion_tokens_details.reasoning_tokens`` summed over the samples.
 
 Sampling: a temperature / top_p the client sends is used as sent (vLLM's behaviour: greedy and
@@ -65,7 +65,8 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
     so = req.stream_options
     special = frozenset((tokenizer.bos_id, tokenizer.eos_id)) if req.skip_special_tokens else frozenset()
     return ChatJob(base, int(time.time()), fmt.model_name, [ids], samples, req.stream,
-                   include_usage=bool(so and so.include_usage), continuous_usage=bool(so and so.continuous_usage_stats),
+                   include_usage=bool(so and so.include_usage),
+                   continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                    return_token_ids=req.return_token_ids, fmt=fmt, request=cr, stops=stops,
                    include_stop=req.include_stop_str_in_output, special_ids=special, decode=tokenizer.decode)
 
@@ -153,9 +154,11 @@ class ChatJob(Job):
             if asm.stop_suffix:
                 c["message"]["content"] = (c["message"].get("content") or "") + asm.stop_suffix
             if self.return_token_ids:
-                c.update(token_ids=asm.token_ids, prompt_token_ids=self.prompts[0])
+                c["token_ids"] = asm.token_ids
             choices.append(c)
         head["choices"] = choices
+        if self.return_token_ids:                 # vLLM: the chat response's prompt_token_ids are top-level
+            head["prompt_token_ids"] = self.prompts[0]
         thinking = self.request.parsing_options.thinking_initial_stage is not None
         head["usage"] = usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()),
                               reasoning if thinking else None)

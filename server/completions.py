@@ -124,7 +124,7 @@ def prepare_completion(req: CompletionRequest, tokenizer, strings: TokenStrings,
     so = req.stream_options
     return CompletionJob(base, int(time.time()), model, [ids for ids, _ in prompts], samples, req.stream,
                          include_usage=bool(so and so.include_usage),
-                         continuous_usage=bool(so and so.continuous_usage_stats),
+                         continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                          return_token_ids=req.return_token_ids, stop=check_stops(req.stop, "stop"),
                          include_stop=req.include_stop_str_in_output, skip_special=req.skip_special_tokens,
                          logprobs=req.logprobs, echo=[e for _, e in prompts] if req.echo else [],

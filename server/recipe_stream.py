@@ -11,8 +11,8 @@ vLLM's token rules:
   ``InferenceChunk.text("", 1)``, so the recipe's token counts equal the engine's;
 * a stop sequence the recipe matched ends the sample (finish "stop"; the gateway then aborts the
   backend stream); with ``include_stop_str_in_output`` the matched string is appended to the content
-  (``stop_suffix``: the stop string whose last occurrence in the decoded output ends nearest to
-  its end, i.e. the one the last token completed; it travels as the stopping piece's ``text``).
+  (``stop_suffix``: the stop string the last token completed, as the recipe picks it; it travels
+  as the stopping piece's ``text``).
 """
 from __future__ import annotations
 
@@ -126,14 +126,24 @@ class RecipeAssembler:
         return out + self._out(self._proc.finish())
 
     def _set_stop_suffix(self) -> None:
+        """The stop string the last token completed: of the occurrences ending inside its text,
+        the one ending first, the first listed on a tie (the recipe's choice); else the one
+        ending nearest the end (a match the recipe held back)."""
         if not (self._include_stop and self._stops and self._decode):
             return
         text = self._decode(self._ids)
-        best = None                              # (chars after the match, -length, stop)
-        for s in self._stops:
-            i = text.rfind(s)
-            if i != -1:
-                key = (len(text) - i - len(s), -len(s), s)
+        before = len(self._decode(self._ids[:-1])) if self._ids else 0
+        best = None                              # (end, list position, stop)
+        for j, s in enumerate(self._stops):
+            i = text.find(s, max(0, before - len(s) + 1))
+            if i != -1 and i + len(s) > before:
+                key = (i + len(s), j, s)
                 best = key if best is None or key < best else best
+        if best is None:
+            for j, s in enumerate(self._stops):
+                i = text.rfind(s)
+                if i != -1:
+                    key = (len(text) - i - len(s), j, s)
+                    best = key if best is None or key < best else best
         if best is not None:
             self.stop_suffix = best[2]

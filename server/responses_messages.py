@@ -46,14 +46,14 @@ def prepare_responses(req: ResponsesRequest, fmt: DeepSeekFormat, tokenizer, max
                        "previous_response_id")
     rid, ids, sample, cr, extras = _prepare("responses", req, fmt, tokenizer, max_model_len, "resp_", "input")
     return ResponsesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                        extras=extras)
+                        extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)))
 
 
 def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_model_len: int) -> MessagesJob:
     """Validate and convert a Messages request. Raises ApiError (400 naming the field / the recipe's message)."""
     rid, ids, sample, cr, extras = _prepare("messages", req, fmt, tokenizer, max_model_len, "msg_", "messages")
     return MessagesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                       extras=extras)
+                       extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)))
 
 
 @dataclass
@@ -63,6 +63,7 @@ class _RecipeJob(Job):
     fmt: DeepSeekFormat = None
     request: dr.ConversationRequest = None
     extras: dict = None
+    special_ids: frozenset[int] = frozenset()      # BOS / EOS: counted, never output as text
 
     api = ""
     response_cls = None
@@ -73,7 +74,7 @@ class _RecipeJob(Job):
     def assembler(self, sample: Sample) -> RecipeAssembler:
         acc = None if self.stream else self.response_cls(self.id, self.model, self.created, len(self.prompts[0]), 0)
         return RecipeAssembler(self.fmt.processor(self.api, self.request, self.id, self.extras or {}),
-                               len(self.prompts[0]), acc)
+                               len(self.prompts[0]), acc, self.special_ids)
 
     def events(self, sample: Sample, p: Piece) -> list[str]:
         name = self.response_cls.sse_event_name

@@ -75,13 +75,13 @@ def test_chat_stream_equals_in_process(cluster, reference):
         stream = c.chat.completions.create(model=_model(cluster), messages=msgs, max_tokens=10, seed=seed,
                                            temperature=temperature, stream=True,
                                            stream_options={"include_usage": True},
-                                           extra_body={"return_token_ids": True})
+                                           extra_body={"return_token_ids": True, "thinking": {"type": "disabled"}})
         ids, prompt, text = _stream_ids(stream)
         assert prompt and len(prompt) > 128
         want = _reference_ids(reference, prompt, 10, temperature, seed)
         assert ids == want
         full = c.chat.completions.create(model=_model(cluster), messages=msgs, max_tokens=10, seed=seed,
-                                         temperature=temperature)
+                                         temperature=temperature, extra_body={"thinking": {"type": "disabled"}})
         assert full.choices[0].message.content == text
 
 
