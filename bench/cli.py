@@ -2,6 +2,7 @@
 
     dsv4-bench serve  --base-url http://HOST:PORT ...   load the gateway (bench.serve_bench)
     dsv4-bench engine [--ckpt DIR] ...                   model step vs batch / context (bench.engine_bench)
+    dsv4-bench gateway [--concurrency 1,64,512] ...      one gateway's text path, fake workers (bench.bench_gateway)
 
 Each subcommand prints a side-by-side table and writes JSON (``--help`` of each lists its flags).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"serve": "bench.serve_bench", "engine": "bench.engine_bench"}
+COMMANDS = {"serve": "bench.serve_bench", "engine": "bench.engine_bench", "gateway": "bench.bench_gateway"}
 
 
 def main(argv: list[str] | None = None) -> int:
