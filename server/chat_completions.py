@@ -92,33 +92,38 @@ class ChatJob(Job):
         acc = None if self.stream else dr.ChatCompletionResponse(self.id, self.model, self.created,
                                                                  len(self.prompts[0]), 0)
         return RecipeAssembler(self.fmt.processor("chat", self.request, self.id, {}), len(self.prompts[0]), acc,
-                               self.special_ids, self.include_stop, self.stops, self.decode)
+                               self.special_ids, self.include_stop, self.stops, self.decode,
+                               self.fmt.starts_in_reasoning(self.request), self.fmt.think_end_id)
 
     def events(self, sample: Sample, p: Piece) -> list[str]:
-        out = []
         if self.return_token_ids and p.token_ids:
             self._pending_ids.setdefault(sample.index, []).extend(p.token_ids)
+        shaped = []
         for c in p.chunks:
             d = json.loads(c.to_json())
             u = d.pop("usage", None)
             if u and u.get("completion_tokens_details"):
-                self._reasoning[sample.index] = u["completion_tokens_details"].get("reasoning_tokens", 0)
-            if not d.get("choices"):
-                continue
+                self._reasoning[sample.index] = (u["completion_tokens_details"].get("reasoning_tokens", 0)
+                                                 + p.uncounted_reasoning)
+            if d.get("choices"):
+                shaped.append(d)
+        out = []
+        for k, d in enumerate(shaped):
             ch = d["choices"][0]
             ch["index"] = sample.index
-            first = "role" in ch.get("delta", {})
             if ch.get("finish_reason") is not None:
                 if p.finish_reason == "abort":
                     ch["finish_reason"] = "abort"
                 if p.text:                      # include_stop_str_in_output: the matched stop string
                     ch["delta"]["content"] = (ch["delta"].get("content") or "") + p.text
             if self.return_token_ids:
-                if first:
+                if "role" in ch.get("delta", {}):
                     d["prompt_token_ids"] = self.prompts[0]
-                ch["token_ids"] = self._pending_ids.pop(sample.index, [])
-            if self.continuous_usage:
-                d["usage"] = usage(len(self.prompts[0]), p.total_tokens, self._reasoning.get(sample.index))
+                # a piece's ids ride on its last chunk: the one with their text (vLLM), not the role chunk
+                ch["token_ids"] = self._pending_ids.pop(sample.index, []) if k == len(shaped) - 1 else []
+            if self.continuous_usage:                  # a piece's tokens count from its last chunk on
+                done = p.total_tokens if k == len(shaped) - 1 else p.total_tokens - p.num_tokens
+                d["usage"] = usage(len(self.prompts[0]), done, self._reasoning.get(sample.index))
             elif self.include_usage:
                 d["usage"] = None
             out.append(sse(d))
@@ -146,7 +151,7 @@ class ChatJob(Job):
             d = json.loads(asm.response.to_json())
             head = head or d
             u = d.get("usage") or {}
-            reasoning += (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+            reasoning += (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0) + asm.uncounted_reasoning
             c = d["choices"][0]
             c["index"] = s.index
             if asm.finish_reason == "abort":

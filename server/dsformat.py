@@ -123,6 +123,13 @@ class DeepSeekFormat:
         self.options = (dr.ConversionOptions(default_thinking_mode=default_thinking)
                         .with_model_versions_by_name({model_name: V4}))
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+        self.think_end_id = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())[0]
+
+    @staticmethod
+    def starts_in_reasoning(cr: dr.ConversationRequest) -> bool:
+        """Whether the output begins inside the reasoning (thinking mode, no continued answer)."""
+        stage = cr.parsing_options.thinking_initial_stage
+        return stage is not None and stage.starts_in_reasoning() and not cr.parsing_options.starts_in_tool_calls
 
     def convert(self, api: str, body: dict[str, Any]) -> tuple[dr.ConversationRequest, dict]:
         """Convert a request body; returns (the recipe's request, extras read before conversion:

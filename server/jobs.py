@@ -39,7 +39,8 @@ class Sample:
 class Piece:
     """What one event of one sample adds. ``text`` / ``logprobs``: completions; ``chunks``: the
     recipe's chunks / events (streamed chat, Responses, Messages); ``finish_reason`` set on the
-    last piece; ``num_tokens`` new tokens, ``total_tokens`` so far, ``token_ids`` the new ids."""
+    last piece; ``num_tokens`` new tokens, ``total_tokens`` so far, ``token_ids`` the new ids;
+    ``uncounted_reasoning``: reasoning tokens the recipe's usage misses (``RecipeAssembler``)."""
 
     text: str = ""
     logprobs: dict | None = None
@@ -48,6 +49,7 @@ class Piece:
     num_tokens: int = 0
     total_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    uncounted_reasoning: int = 0
 
 
 class Assembler(Protocol):

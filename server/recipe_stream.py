@@ -9,6 +9,10 @@ vLLM's token rules:
   unless ``include_stop_str_in_output``; with ``skip_special_tokens`` (the default) BOS / EOS met
   mid-output (``ignore_eos``) are counted without text too. A counted token without text goes in as
   ``InferenceChunk.text("", 1)``, so the recipe's token counts equal the engine's;
+* an output cut inside a multi-byte character (max_tokens): the processor drops the bytes of the
+  unfinished character (as vLLM) and would not count their tokens; they are counted (pushed as
+  text-less tokens), and when the output was still reasoning, ``uncounted_reasoning`` says how many
+  reasoning tokens the recipe's usage misses (a text-less token counts as output, not reasoning);
 * a stop sequence the recipe matched ends the sample (finish "stop"; the gateway then aborts the
   backend stream); with ``include_stop_str_in_output`` the matched string is appended to the content
   (``stop_suffix``: the stop string the last token completed, as the recipe picks it; it travels
@@ -42,13 +46,17 @@ class RecipeAssembler:
             streaming (the chunks then travel in the pieces).
         special_ids: token ids whose text ``skip_special_tokens`` drops (BOS, EOS).
         include_stop: output the text of a final stop token / a matched stop string.
-        stops: the request's stop strings (for ``stop_suffix``); decode: ids -> text.
+        stops: the request's stop strings (for ``stop_suffix``).
+        decode: ids -> text (the tokenizer's ``decode``), for ``stop_suffix`` and a cut character.
     """
 
     def __init__(self, processor: dr.StreamProcessor, prompt_tokens: int, accumulate=None,
                  special_ids: frozenset[int] = frozenset(), include_stop: bool = False,
-                 stops: tuple[str, ...] = (), decode=None):
+                 stops: tuple[str, ...] = (), decode=None, reasoning_from_start: bool = False,
+                 think_end_id: int | None = None):
         self._proc = processor
+        self._reasoning_from_start, self._think_end = reasoning_from_start, think_end_id
+        self.uncounted_reasoning = 0
         self._acc = accumulate
         self._special = special_ids
         self._include_stop = include_stop
@@ -105,7 +113,8 @@ class RecipeAssembler:
         if ev.finished and not self.finished:
             out += self._end(ev.finish_reason or "stop")
         return Piece(text=self.stop_suffix, chunks=out, num_tokens=self.num_tokens - n0,
-                     total_tokens=self.num_tokens, finish_reason=self.finish_reason, token_ids=ids)
+                     total_tokens=self.num_tokens, finish_reason=self.finish_reason, token_ids=ids,
+                     uncounted_reasoning=self.uncounted_reasoning)
 
     def abort(self, reason: str = "abort") -> Piece:
         """End without a final event (the backend stream ended early)."""
@@ -113,7 +122,8 @@ class RecipeAssembler:
             return Piece(total_tokens=self.num_tokens)
         out, self._pending = self._pending, []
         out += self._end(reason)
-        return Piece(chunks=out, total_tokens=self.num_tokens, finish_reason=self.finish_reason)
+        return Piece(chunks=out, total_tokens=self.num_tokens, finish_reason=self.finish_reason,
+                     uncounted_reasoning=self.uncounted_reasoning)
 
     def close(self) -> None:
         """Release the processor of a sample that will not finish (error, disconnect)."""
@@ -122,8 +132,27 @@ class RecipeAssembler:
 
     def _end(self, reason: str) -> list:
         self.finish_reason = reason
-        out = self._out(self._proc.push(dr.InferenceChunk.finish(finish_reason(reason))))
+        out = []
+        held = self._held_tokens()
+        if held:          # the recipe drops them uncounted at finish: count them (their bytes stay dropped)
+            out += self._out(self._proc.push(dr.InferenceChunk.text("", held)))
+            if self._reasoning_from_start and self._think_end not in self._ids:
+                self.uncounted_reasoning = held
+        out += self._out(self._proc.push(dr.InferenceChunk.finish(finish_reason(reason))))
         return out + self._out(self._proc.finish())
+
+    def _held_tokens(self) -> int:
+        """Trailing tokens whose bytes are an incomplete UTF-8 character (the output was cut inside
+        one): the processor holds them waiting for the rest and reports them nowhere."""
+        if self._decode is None or not self._ids:
+            return 0
+        tail = self._ids[-8:]
+        if not self._decode(tail).endswith("\ufffd"):
+            return 0
+        for j in range(1, len(tail)):
+            if not self._decode(tail[:-j]).endswith("\ufffd"):
+                return j
+        return len(tail)
 
     def _set_stop_suffix(self) -> None:
         """The stop string the last token completed: of the occurrences ending inside its text,

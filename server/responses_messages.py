@@ -46,14 +46,16 @@ def prepare_responses(req: ResponsesRequest, fmt: DeepSeekFormat, tokenizer, max
                        "previous_response_id")
     rid, ids, sample, cr, extras = _prepare("responses", req, fmt, tokenizer, max_model_len, "resp_", "input")
     return ResponsesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                        extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)))
+                        extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
+                        decode=tokenizer.decode)
 
 
 def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_model_len: int) -> MessagesJob:
     """Validate and convert a Messages request. Raises ApiError (400 naming the field / the recipe's message)."""
     rid, ids, sample, cr, extras = _prepare("messages", req, fmt, tokenizer, max_model_len, "msg_", "messages")
     return MessagesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                       extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)))
+                       extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
+                        decode=tokenizer.decode)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class _RecipeJob(Job):
     request: dr.ConversationRequest = None
     extras: dict = None
     special_ids: frozenset[int] = frozenset()      # BOS / EOS: counted, never output as text
+    decode: object = None                            # the tokenizer's ids -> text
 
     api = ""
     response_cls = None
@@ -74,15 +77,27 @@ class _RecipeJob(Job):
     def assembler(self, sample: Sample) -> RecipeAssembler:
         acc = None if self.stream else self.response_cls(self.id, self.model, self.created, len(self.prompts[0]), 0)
         return RecipeAssembler(self.fmt.processor(self.api, self.request, self.id, self.extras or {}),
-                               len(self.prompts[0]), acc, self.special_ids)
+                               len(self.prompts[0]), acc, self.special_ids, decode=self.decode,
+                               reasoning_from_start=self.fmt.starts_in_reasoning(self.request),
+                               think_end_id=self.fmt.think_end_id)
 
     def events(self, sample: Sample, p: Piece) -> list[str]:
         name = self.response_cls.sse_event_name
         self.sent += len(p.chunks)
-        return [sse(c.to_json(), name(c)) for c in p.chunks]
+        out = [(c.to_json(), name(c)) for c in p.chunks]
+        if p.uncounted_reasoning:
+            out = [(self._fix_usage(data, p.uncounted_reasoning), ev) for data, ev in out]
+        return [sse(data, ev) for data, ev in out]
+
+    def _fix_usage(self, data: str, extra: int) -> str:
+        """Add reasoning tokens the recipe did not count to an event's usage (Responses reports them)."""
+        return data
 
     def body(self, asms) -> dict:
-        return json.loads(asms[0].response.to_json())
+        d = json.loads(asms[0].response.to_json())
+        if asms[0].uncounted_reasoning:
+            d = json.loads(self._fix_usage(json.dumps(d), asms[0].uncounted_reasoning))
+        return d
 
 
 @dataclass
@@ -90,6 +105,14 @@ class ResponsesJob(_RecipeJob):
     kind = "responses"
     api = "responses"
     response_cls = dr.ResponsesResponse
+
+    def _fix_usage(self, data: str, extra: int) -> str:
+        d = json.loads(data)
+        u = (d.get("response") or d).get("usage")
+        if not (u and isinstance(u.get("output_tokens_details"), dict)):
+            return data
+        u["output_tokens_details"]["reasoning_tokens"] = u["output_tokens_details"].get("reasoning_tokens", 0) + extra
+        return json.dumps(d, ensure_ascii=False)
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
         return [sse({"type": "error", "code": str(status), "message": message, "param": param,
