@@ -5,7 +5,8 @@ is the app's ``/openapi.json``. Each operation gets Hypothesis examples from sch
 strategies (``APIOperation.as_strategy``), schema-valid (positive) and schema-violating (negative)
 mixed, derandomised so CI sees the same bodies every run. Bodies that would be served are kept
 cheap before they are sent: at most ``MAX_TOKENS`` tokens, ``n`` <= 2, at most 4 prompts (the
-tiny model makes ~50 tokens/s on CPU). Every 4xx must be OpenAI's error shape.
+tiny model makes ~50 tokens/s on CPU). Every 4xx must be the API's error shape: Anthropic's under
+/v1/messages, OpenAI's elsewhere.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-dsv4"
 MAX_TOKENS = 3
 EXAMPLES = 100
-OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")]
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+              ("POST", "/v1/messages"), ("GET", "/v1/models")]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def _cheap(body):
     """Cap what a served body may cost (the caps are themselves valid values)."""
     if not isinstance(body, dict):
         return body
-    for k in ("max_tokens", "max_completion_tokens"):
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         v = body.get(k)
         if v is None or (type(v) is int and v > MAX_TOKENS):
             body[k] = MAX_TOKENS       # null / absent would mean "up to the context limit"
@@ -59,12 +61,16 @@ def _cheap(body):
     return body
 
 
-def _check(response, seen: list) -> None:
+def _check(response, seen: list, path: str) -> None:
     seen.append(response.status_code)
     assert response.status_code < 500, (response.status_code, response.text[:500])
     if response.status_code >= 400:
-        err = response.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["code"] == response.status_code, err
+        body = response.json()
+        err = body["error"]
+        if path == "/v1/messages":
+            assert body["type"] == "error" and set(err) == {"type", "message"}, body
+        else:
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == response.status_code, err
         assert isinstance(err["message"], str) and err["message"], err
 
 
@@ -85,7 +91,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, method, path):
     @given(case=strategy)
     def run(case):
         case.body = _cheap(case.body) if method == "POST" else case.body
-        _check(case.call(base_url=url, timeout=60), seen)
+        _check(case.call(base_url=url, timeout=60), seen, path)
 
     run()
 
