@@ -361,19 +361,23 @@ def format_table(res: dict) -> str:
 
 
 def format_compare(a: dict, b: dict) -> str:
-    """Two runs side by side, matched by (concurrency, mode): tok per gateway CPU-second and fleet size."""
-    rows = [f"{'streams':>8} {'mode':>6} {'wall tok/s ' + a['label']:>18} {b['label']:>10} "
-            f"{'tok/gw-CPU-s ' + a['label']:>20} {b['label']:>10} {'x':>6} {'gateways':>9} {'':>9}"]
+    """Two runs side by side, matched by (concurrency, mode): wall tok/s, tok per gateway CPU-second
+    (the figure to compare), B / A of it, and gateways for the fleet."""
+    w = max(10, len(a["label"]), len(b["label"]))
+    pair = f"{a['label']:>{w}} {b['label']:>{w}}"
+    rows = [f"{'':>15} {'wall tok/s':^{2 * w + 1}} | {'tok per gateway CPU-s':^{2 * w + 8}} | "
+            f"{'gateways for the fleet':^{2 * w + 1}}",
+            f"{'streams':>8} {'mode':>6} {pair} | {pair} {'B/A':>6} | {pair}"]
     bl = {(r["concurrency"], r["stream"]): r for r in b["levels"]}
     for r in a["levels"]:
         s = bl.get((r["concurrency"], r["stream"]))
         if s is None:
             continue
         x = s["tok_per_gateway_cpu_s"] / r["tok_per_gateway_cpu_s"] if r["tok_per_gateway_cpu_s"] else 0
-        rows.append(f"{r['concurrency']:>8} {'stream' if r['stream'] else 'plain':>6} {r['wall_tok_s']:>18,.0f} "
-                    f"{s['wall_tok_s']:>10,.0f} {r['tok_per_gateway_cpu_s']:>20,.0f} "
-                    f"{s['tok_per_gateway_cpu_s']:>10,.0f} {x:>6.2f} {r['gateways_for_fleet'] or 0:>9.1f} "
-                    f"{s['gateways_for_fleet'] or 0:>9.1f}")
+        rows.append(f"{r['concurrency']:>8} {'stream' if r['stream'] else 'plain':>6} {r['wall_tok_s']:>{w},.0f} "
+                    f"{s['wall_tok_s']:>{w},.0f} | {r['tok_per_gateway_cpu_s']:>{w},.0f} "
+                    f"{s['tok_per_gateway_cpu_s']:>{w},.0f} {x:>6.2f} | {r['gateways_for_fleet'] or 0:>{w}.1f} "
+                    f"{s['gateways_for_fleet'] or 0:>{w}.1f}")
     return "\n".join(rows)
 
 

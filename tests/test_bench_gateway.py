@@ -89,5 +89,7 @@ def test_tiny_run_counts_every_chunk(model_dir, tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "tiny" in lines[0] and "tiny2" in lines[0] and len(lines) == 4
-    assert all(ln.split()[6] in ("1.00", "0.00") for ln in lines[1:])
+    assert lines[1].split() == ["streams", "mode", "tiny", "tiny2", "|", "tiny", "tiny2", "B/A", "|", "tiny",
+                                 "tiny2"]
+    assert [ln.split()[:2] for ln in lines[2:]] == [["1", "stream"], ["4", "stream"], ["2", "plain"]]
+    assert all(ln.split()[7] in ("1.00", "0.00") for ln in lines[2:])
