@@ -155,3 +155,19 @@ def test_gateway_api_key(tiny_ckpt):
     finally:
         p.terminate()
         p.wait(30)
+
+
+def test_one_served_model_name_and_the_thinking_default(monkeypatch):
+    """Without a config the gateway serves the name the shipped configs and the workers use; the
+    default thinking mode comes from --default-thinking or DSV4_DEFAULT_THINKING."""
+    from engine.run_config import DEFAULT_MODEL_NAME, ModelConfig, RunConfig
+    from server.cli import _model_name, parser
+    args = parser().parse_args(["--role", "gateway"])
+    assert _model_name(args, None) == DEFAULT_MODEL_NAME == ModelConfig().model_name == "deepseek_v4"
+    assert _model_name(args, RunConfig.from_yaml("configs/tiny-flash.yaml")) == "deepseek_v4"
+    assert _model_name(parser().parse_args(["--role", "gateway", "--served-model-name", "x"]), None) == "x"
+    assert args.default_thinking == "enabled"
+    monkeypatch.setenv("DSV4_DEFAULT_THINKING", "disabled")
+    assert parser().parse_args(["--role", "gateway"]).default_thinking == "disabled"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--role", "gateway", "--default-thinking", "maybe"])
