@@ -280,48 +280,35 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
                 watcher.cancel()
                 gen.cancel()
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    async def handle(req, request: Request, texts: tuple[str, ...], prepare) -> Response:
+        """Admit, check the model and the text fields, build the job off the event loop, serve it."""
         arrival = time.monotonic()
         deadline = admit(request, arrival)
         check_model(req.model)
-        check_utf8(req.messages, "messages")
-        check_utf8(req.tools, "tools")
-        check_utf8(req.stop, "stop")
-        job = await asyncio.to_thread(prepare_chat, req, fmt, tokenizer, backend.max_model_len, max_n)
+        for f in texts:
+            check_utf8(getattr(req, f), f)
+        job = await asyncio.to_thread(prepare, req)
         return await serve(job, request, arrival, deadline)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await handle(req, request, ("messages", "tools", "stop"),
+                            lambda r: prepare_chat(r, fmt, tokenizer, backend.max_model_len, max_n))
 
     @app.post("/v1/completions", dependencies=[Depends(auth)])
     async def completions(req: CompletionRequest, request: Request):
-        arrival = time.monotonic()
-        deadline = admit(request, arrival)
-        check_model(req.model)
-        check_utf8(req.prompt, "prompt")
-        check_utf8(req.stop, "stop")
-        job = await asyncio.to_thread(prepare_completion, req, tokenizer, strings, model_name,
-                                      backend.max_model_len, max_n)
-        return await serve(job, request, arrival, deadline)
+        return await handle(req, request, ("prompt", "stop"), lambda r: prepare_completion(
+            r, tokenizer, strings, model_name, backend.max_model_len, max_n))
 
     @app.post("/v1/responses", dependencies=[Depends(auth)])
     async def responses(req: ResponsesRequest, request: Request):
-        arrival = time.monotonic()
-        deadline = admit(request, arrival)
-        check_model(req.model)
-        check_utf8(req.input, "input")
-        check_utf8(req.tools, "tools")
-        job = await asyncio.to_thread(prepare_responses, req, fmt, tokenizer, backend.max_model_len)
-        return await serve(job, request, arrival, deadline)
+        return await handle(req, request, ("input", "tools"),
+                            lambda r: prepare_responses(r, fmt, tokenizer, backend.max_model_len))
 
     @app.post("/v1/messages", dependencies=[Depends(auth)])
     async def messages(req: MessagesRequest, request: Request):
-        arrival = time.monotonic()
-        deadline = admit(request, arrival)
-        check_model(req.model)
-        check_utf8(req.messages, "messages")
-        check_utf8(req.system, "system")
-        check_utf8(req.tools, "tools")
-        job = await asyncio.to_thread(prepare_messages, req, fmt, tokenizer, backend.max_model_len)
-        return await serve(job, request, arrival, deadline)
+        return await handle(req, request, ("messages", "system", "tools"),
+                            lambda r: prepare_messages(r, fmt, tokenizer, backend.max_model_len))
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():

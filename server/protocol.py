@@ -130,24 +130,30 @@ class _NullIsDefault(BaseModel):
         return data
 
 
-class _Sampling(_NullIsDefault):
-    """Fields shared by both endpoints (OpenAI + vLLM extras)."""
+class _Extras(_NullIsDefault):
+    """The model, streaming and the sampling fields every endpoint takes (OpenAI's and vLLM's
+    extras; /v1/responses and /v1/messages take these, chat and completions more)."""
 
     model: str | None = None
-    n: int = Field(1, ge=1)
     stream: bool = False
-    stream_options: StreamOptions | None = None
     seed: _Seed = None
-    stop: str | list[str] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    include_stop_str_in_output: bool = False
     temperature: _Temperature = None
     top_p: _TopP = None
     top_k: _TopK = None
     min_p: _MinP = None
+    repetition_penalty: _RepetitionPenalty = None
+
+
+class _Sampling(_Extras):
+    """Fields shared by chat and completions (OpenAI + vLLM extras)."""
+
+    n: int = Field(1, ge=1)
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
     presence_penalty: _Penalty = None
     frequency_penalty: _Penalty = None
-    repetition_penalty: _RepetitionPenalty = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
@@ -191,19 +197,6 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
-
-
-class _Extras(_NullIsDefault):
-    """vLLM's sampling extras also accepted by /v1/responses and /v1/messages."""
-
-    model: str | None = None
-    stream: bool = False
-    seed: _Seed = None
-    temperature: _Temperature = None
-    top_p: _TopP = None
-    top_k: _TopK = None
-    min_p: _MinP = None
-    repetition_penalty: _RepetitionPenalty = None
 
 
 class ResponsesRequest(_Extras):

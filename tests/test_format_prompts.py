@@ -646,6 +646,23 @@ def test_special_spellings_in_chat_are_text(env, s):
         assert piece in text, piece
 
 
+def _spelled_as_text(env, api, body, s, labels) -> None:
+    """``body`` (with ``s`` spelled in every text field, each prefixed by a label) encodes as the
+    recipe does, with ``s`` as text: as many special ids as the same body with a neutral word (two
+    assistant fields excepted, see ``_neutral_specials``), one BOS, three user and assistant turns."""
+    r, reqs = env.send(api, body)
+    assert r.status_code == 200, r.text
+    ids = reqs[0].prompt_ids
+    assert ids == env.recipe_ids(api, body)
+    neutral = json.loads(json.dumps(body).replace(json.dumps(s)[1:-1], "X"))
+    assert _count_specials(env, ids) == _neutral_specials(env, api, neutral, s, 2)
+    counts = Counter(ids)
+    assert (counts[env.sid(BOS)], counts[env.sid(USER)], counts[env.sid(ASSISTANT)]) == (1, 3, 3)
+    text = env.decode(ids)
+    for label in labels:
+        assert f"{label} {s}" in text, label
+
+
 @pytest.mark.parametrize("s", SPELLINGS)
 def test_special_spellings_in_responses_are_text(env, s):
     body = {"instructions": f"ins {s}", "tools": RESPONSES_TOOLS, "input": [
@@ -655,17 +672,7 @@ def test_special_spellings_in_responses_are_text(env, s):
         {"type": "message", "role": "user", "content": f"u2 {s}"},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": f"r {s}"}]},
         fcall("c1", f"city {s}"), fout("c1", f"out {s}")]}
-    r, reqs = env.send(RESP, body)
-    assert r.status_code == 200, r.text
-    ids = reqs[0].prompt_ids
-    assert ids == env.recipe_ids(RESP, body)
-    neutral = json.loads(json.dumps(body).replace(json.dumps(s)[1:-1], "X"))
-    assert _count_specials(env, ids) == _neutral_specials(env, RESP, neutral, s, 2)     # a1, r
-    counts = Counter(ids)
-    assert (counts[env.sid(BOS)], counts[env.sid(USER)], counts[env.sid(ASSISTANT)]) == (1, 3, 3)
-    text = env.decode(ids)
-    for piece in (f"ins {s}", f"sys {s}", f"u1 {s}", f"a1 {s}", f"u2 {s}", f"r {s}", f"city {s}", f"out {s}"):
-        assert piece in text, piece
+    _spelled_as_text(env, RESP, body, s, ("ins", "sys", "u1", "a1", "u2", "r", "city", "out"))   # a1, r: assistant
 
 
 @pytest.mark.parametrize("s", SPELLINGS)
@@ -679,17 +686,7 @@ def test_special_spellings_in_messages_are_text(env, s):
                                            "input": {"city": f"city {s}"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": f"res {s}"}]}],
         system=[{"type": "text", "text": f"sys {s}"}], tools=MESSAGES_TOOLS)
-    r, reqs = env.send(MSGS, body)
-    assert r.status_code == 200, r.text
-    ids = reqs[0].prompt_ids
-    assert ids == env.recipe_ids(MSGS, body)
-    neutral = json.loads(json.dumps(body).replace(json.dumps(s)[1:-1], "X"))
-    assert _count_specials(env, ids) == _neutral_specials(env, MSGS, neutral, s, 2)     # a1, t
-    counts = Counter(ids)
-    assert (counts[env.sid(BOS)], counts[env.sid(USER)], counts[env.sid(ASSISTANT)]) == (1, 3, 3)
-    text = env.decode(ids)
-    for piece in (f"sys {s}", f"u1 {s}", f"a1 {s}", f"u2 {s}", f"t {s}", f"city {s}", f"res {s}"):
-        assert piece in text, piece
+    _spelled_as_text(env, MSGS, body, s, ("sys", "u1", "a1", "u2", "t", "city", "res"))   # a1, t: assistant
 
 
 def test_every_added_token_in_user_text_is_text(env):
