@@ -80,8 +80,11 @@ def main() -> int:
                             part = kind
                         print(text, end="", flush=True)
         e2e = time.monotonic() - t1
-        print(f"\n\n(random tiny weights: the text is noise; the path is real) "
-              f"TTFT {1000 * ((first or t1) - t1):.0f} ms, E2E {e2e:.2f} s, usage {usage.model_dump() if usage else None}")
+        reasoning = getattr(getattr(usage, "completion_tokens_details", None), "reasoning_tokens", None)
+        print(f"\n\n(random tiny weights: the text is noise; the path is real)\nTTFT {1000 * ((first or t1) - t1):.0f} ms, "
+              f"E2E {e2e:.2f} s; prompt {usage.prompt_tokens} tokens (DeepSeek's chat format: the reasoning-effort "
+              f"preamble, the turn markers, <think>), completion {usage.completion_tokens} tokens"
+              + (f", {reasoning} of them reasoning" if reasoning is not None else ""))
         time.sleep(0.3)
         after = {n: scrape(u) for n, u in metrics_urls.items()}
         print("\nmetrics moved by this request (before -> after):")

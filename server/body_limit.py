@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from server.protocol import error_body
+from server.protocol import error_body_for
 
 
 class BodyTooLarge(Exception):
@@ -35,9 +35,10 @@ class BodyLimit:
             raise ValueError(f"max_body_bytes: must be a positive integer, got {max_body_bytes!r}")
         self.app, self.limit = app, max_body_bytes
 
-    async def _reject(self, send, declared: int | None) -> None:
+    async def _reject(self, scope, send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else "the body"
-        body = json.dumps(error_body(f"request body: {size} exceeds the limit of {self.limit} bytes", 413)).encode()
+        body = json.dumps(error_body_for(scope.get("path", ""), f"request body: {size} exceeds the limit of "
+                                         f"{self.limit} bytes", 413)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -53,7 +54,7 @@ class BodyLimit:
                 except ValueError:
                     break             # the server rejects a malformed Content-Length itself
                 if declared > self.limit:
-                    await self._reject(send, declared)
+                    await self._reject(scope, send, declared)
                     return
                 break
         seen = 0
@@ -85,4 +86,4 @@ class BodyLimit:
             if not over or started:      # not caused by the limit (any error after it is)
                 raise
         if over and not started:
-            await self._reject(send, None)
+            await self._reject(scope, send, None)

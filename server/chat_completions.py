@@ -24,8 +24,8 @@ import deepseek_recipe as dr
 
 from engine.sampling import MAX_LOGPROBS
 from server.dsformat import DeepSeekFormat
-from server.jobs import (Job, Piece, Sample, check_common, check_logprobs, check_stops, sample_seed, sampling_params,
-                         sse, usage)
+from server.jobs import (Job, Piece, Sample, check_common, check_logprobs, check_stops, refuse_not_done, sample_seed,
+                         sampling_params, sse, usage)
 from server.protocol import ApiError, ChatCompletionRequest, error_body
 from server.recipe_stream import RecipeAssembler
 
@@ -54,21 +54,24 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
     logprobs = check_logprobs(req.logprobs, req.top_logprobs, MAX_LOGPROBS)
     stops = check_stops(req.stop, "stop")
     body = req.model_dump(exclude_unset=True)
+    refuse_not_done(body)
     cr, _ = fmt.convert("chat", body)
     ids = fmt.encode(cr, max_model_len, "messages")
-    max_new = fmt.max_tokens(cr, len(ids), max_model_len, "messages")
+    max_new = fmt.max_tokens(cr, len(ids), max_model_len, "messages",
+                             "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     fields = recipe_sampling(body, cr)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     samples = [Sample(i, 0, f"{base}-{i}", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, i),
                                                            "top_logprobs"))
                for i in range(req.n)]
     so = req.stream_options
-    special = frozenset((tokenizer.bos_id, tokenizer.eos_id)) if req.skip_special_tokens else frozenset()
+    special = frozenset((tokenizer.bos_id, tokenizer.eos_id))
     return ChatJob(base, int(time.time()), fmt.model_name, [ids], samples, req.stream,
                    include_usage=bool(so and so.include_usage),
                    continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                    return_token_ids=req.return_token_ids, fmt=fmt, request=cr, stops=stops,
-                   include_stop=req.include_stop_str_in_output, special_ids=special, decode=tokenizer.decode)
+                   include_stop=req.include_stop_str_in_output, special_ids=special, decode=tokenizer.decode,
+                   skip_special=req.skip_special_tokens)
 
 
 @dataclass
@@ -81,19 +84,20 @@ class ChatJob(Job):
     include_stop: bool = False
     special_ids: frozenset[int] = frozenset()
     decode: object = None
+    skip_special: bool = True
 
     kind = "chat"
 
     def __post_init__(self):
         self._pending_ids: dict[int, list[int]] = {}     # return_token_ids not yet on a chunk
-        self._reasoning: dict[int, int] = {}             # per sample, from the recipe's final usage
+        self._thinking = self.request.parsing_options.thinking_initial_stage is not None
 
     def assembler(self, sample: Sample) -> RecipeAssembler:
         acc = None if self.stream else dr.ChatCompletionResponse(self.id, self.model, self.created,
                                                                  len(self.prompts[0]), 0)
         return RecipeAssembler(self.fmt.processor("chat", self.request, self.id, {}), len(self.prompts[0]), acc,
                                self.special_ids, self.include_stop, self.stops, self.decode,
-                               self.fmt.starts_in_reasoning(self.request), self.fmt.think_end_id)
+                               self.fmt.starts_in_reasoning(self.request), self.fmt.think_end_id, self.skip_special)
 
     def events(self, sample: Sample, p: Piece) -> list[str]:
         if self.return_token_ids and p.token_ids:
@@ -101,12 +105,15 @@ class ChatJob(Job):
         shaped = []
         for c in p.chunks:
             d = json.loads(c.to_json())
-            u = d.pop("usage", None)
-            if u and u.get("completion_tokens_details"):
-                self._reasoning[sample.index] = (u["completion_tokens_details"].get("reasoning_tokens", 0)
-                                                 + p.uncounted_reasoning)
+            d.pop("usage", None)                      # OpenAI's usage rules below
             if d.get("choices"):
                 shaped.append(d)
+        carrier = len(shaped) - 1           # a piece's ids ride on its last chunk with text (vLLM)
+        for k in range(len(shaped) - 1, -1, -1):
+            delta = shaped[k]["choices"][0].get("delta", {})
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                carrier = k
+                break
         out = []
         for k, d in enumerate(shaped):
             ch = d["choices"][0]
@@ -119,11 +126,10 @@ class ChatJob(Job):
             if self.return_token_ids:
                 if "role" in ch.get("delta", {}):
                     d["prompt_token_ids"] = self.prompts[0]
-                # a piece's ids ride on its last chunk: the one with their text (vLLM), not the role chunk
-                ch["token_ids"] = self._pending_ids.pop(sample.index, []) if k == len(shaped) - 1 else []
-            if self.continuous_usage:                  # a piece's tokens count from its last chunk on
-                done = p.total_tokens if k == len(shaped) - 1 else p.total_tokens - p.num_tokens
-                d["usage"] = usage(len(self.prompts[0]), done, self._reasoning.get(sample.index))
+                ch["token_ids"] = self._pending_ids.pop(sample.index, []) if k == carrier else []
+            if self.continuous_usage:                  # a piece's tokens count from its carrier chunk on
+                done = p.total_tokens if k >= carrier else p.total_tokens - p.num_tokens
+                d["usage"] = usage(len(self.prompts[0]), done, p.reasoning_tokens if self._thinking else None)
             elif self.include_usage:
                 d["usage"] = None
             out.append(sse(d))
@@ -139,7 +145,7 @@ class ChatJob(Job):
     def _usage(self, asms) -> dict:
         thinking = self.request.parsing_options.thinking_initial_stage is not None
         return usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()),
-                     sum(self._reasoning.values()) if thinking else None)
+                     sum(a.reasoning_tokens for a in asms.values()) if thinking else None)
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
         return [sse(error_body(message, status, param)), "data: [DONE]\n\n"]
@@ -150,8 +156,7 @@ class ChatJob(Job):
             asm = asms[s.index]
             d = json.loads(asm.response.to_json())
             head = head or d
-            u = d.get("usage") or {}
-            reasoning += (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0) + asm.uncounted_reasoning
+            reasoning += asm.reasoning_tokens
             c = d["choices"][0]
             c["index"] = s.index
             if asm.finish_reason == "abort":

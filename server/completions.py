@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import MAX_LOGPROBS, Sampled
 from server.backend import TokenEvent
-from server.jobs import Job, Piece, Sample, check_common, check_stops, sample_seed, sampling_params, sse, usage
+from server.jobs import (Job, Piece, Sample, check_common, check_stops, refuse_not_done, sample_seed, sampling_params,
+                         sse, usage)
 from server.protocol import ApiError, CompletionRequest, error_body
 
 _MIN_LOGPROB = -9999.0          # JSON has no -inf (vLLM clamps the same way)
@@ -98,6 +99,7 @@ def prepare_completion(req: CompletionRequest, tokenizer, strings: TokenStrings,
     """Validate a completions request, tokenise each prompt once, and build its samples
     (choice index = prompt index * n + i, as vLLM). Raises ApiError (400 naming the field)."""
     check_common(req, max_n)
+    refuse_not_done(req.model_dump(), {"response_format": (None, {"type": "text"})})
     if req.suffix is not None:
         raise ApiError("suffix: not supported by this server", 400, "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -43,6 +43,8 @@ _CONSTRAINT_FIELD = {"chat": "response_format", "responses": "text.format", "mes
 _GATEWAY_FIELDS = ("n", "seed", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
                    "include_stop_str_in_output", "skip_special_tokens", "return_token_ids", "min_tokens",
                    "chat_template_kwargs", "max_completion_tokens", "logit_bias", "echo", "add_generation_prompt")
+# the recipe's name for a field in its messages -> the request's, per API
+_RENAMED = {"messages": {"stop": "stop_sequences"}}
 MAX_DEPTH = 128          # the recipe's JSON nesting limit (serde_json's), checked first to name the field
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
            "abort": dr.InferenceFinishReason.Stop}
@@ -66,32 +68,44 @@ def _recipe_message(e: Exception) -> tuple[int, str]:
     return status, str(e).strip()
 
 
-def chat_body(body: dict[str, Any], model: str) -> dict[str, Any]:
-    """The Chat Completions body the recipe converts (see the module docstring)."""
+def chat_body(body: dict[str, Any], model: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The Chat Completions body the recipe converts (see the module docstring), and the fields
+    it moved: ``{recipe field: the request's field}`` (an error names the request's).
+
+    Raises:
+        ApiError: 400 naming ``chat_template_kwargs.thinking`` when it is not a boolean.
+    """
     out = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     out["model"] = model
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        out["max_tokens"] = body["max_completion_tokens"]
+    moved: dict[str, str] = {}
+    if body.get("max_completion_tokens") is not None:       # OpenAI and vLLM: it wins over max_tokens
+        out["max_tokens"], moved["max_tokens"] = body["max_completion_tokens"], "max_completion_tokens"
     kw = body.get("chat_template_kwargs") or {}
+    for key in ("thinking", "enable_thinking"):
+        if key in kw and not isinstance(kw[key], bool):
+            raise ApiError(f"chat_template_kwargs.{key}: must be true or false, got {kw[key]!r}", 400,
+                           f"chat_template_kwargs.{key}")
     thinking = kw.get("thinking", kw.get("enable_thinking"))
     if body.get("thinking") is None and isinstance(thinking, bool):
         out["thinking"] = {"type": "enabled" if thinking else "disabled"}
-    if body.get("reasoning_effort") is None and isinstance(kw.get("reasoning_effort"), str):
-        out["reasoning_effort"] = kw["reasoning_effort"]
+        moved["thinking"] = "chat_template_kwargs.thinking" if "thinking" in kw else "chat_template_kwargs.enable_thinking"
+    if body.get("reasoning_effort") is None and "reasoning_effort" in kw:
+        out["reasoning_effort"], moved["reasoning_effort"] = kw["reasoning_effort"], "chat_template_kwargs.reasoning_effort"
     msgs = out.get("messages")
     if isinstance(msgs, list) and any(isinstance(m, dict) and m.get("role") == "developer" for m in msgs):
         out["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                            for m in msgs]
-    return out
+    return out, moved
 
 
-def api_body(api: str, body: dict[str, Any], model: str) -> dict[str, Any]:
-    """The body of ``api`` ("chat" / "responses" / "messages") as the recipe converts it."""
+def api_body(api: str, body: dict[str, Any], model: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body of ``api`` ("chat" / "responses" / "messages") as the recipe converts it, and the
+    fields moved on the way (``chat_body``)."""
     if api == "chat":
         return chat_body(body, model)
     out = {k: v for k, v in body.items() if k not in _GATEWAY_FIELDS}
     out["model"] = model
-    return out
+    return out, {}
 
 
 class DeepSeekFormat:
@@ -141,13 +155,14 @@ class DeepSeekFormat:
         """
         cls = _REQUESTS[api]
         extras: dict = {}
-        recipe_body = api_body(api, body, self.model_name)
+        recipe_body, moved = api_body(api, body, self.model_name)
         for k, v in recipe_body.items():
             if too_deep(v, MAX_DEPTH - 1):
                 raise ApiError(f"{k}: JSON nested deeper than {MAX_DEPTH} levels", 400, k)
         where = image_part(recipe_body)
         if where:
-            raise ApiError(f"{where}: images are not supported (DeepSeek-V4 is a text model)", 400, where)
+            raise ApiError(f"{where}: only text is supported (DeepSeek-V4 is a text model; no images, files or "
+                           f"audio)", 400, where)
         try:
             req = cls(recipe_body)
             if api == "responses":
@@ -157,7 +172,12 @@ class DeepSeekFormat:
             status, msg = _recipe_message(e)
             msg = msg.removeprefix("invalid request body: ")
             param = locate(api, recipe_body, msg, not isinstance(e, dr.ConversionError),
-                           lambda b: cls(b).convert(self.options))
+                           lambda b: cls(b).convert(self.options), _RENAMED.get(api))
+            if param:                            # a field the gateway moved: name the request's
+                head, sep, rest = param.partition(".")
+                if head in moved:
+                    param = moved[head] + sep + rest
+                    msg = msg[len(head):].lstrip(": ") if msg.startswith(head) else msg
             if param and not msg.startswith(param):
                 msg = f"{param}: {msg}"
             raise ApiError(msg, status if 400 <= status < 500 else 400, param) from None
@@ -186,13 +206,13 @@ class DeepSeekFormat:
             raise ApiError(f"{field}: cannot encode the conversation ({e})", 400, field) from None
 
     def max_tokens(self, cr: dr.ConversationRequest, prompt_tokens: int, max_model_len: int,
-                   field: str = "messages") -> int:
+                   field: str = "messages", limit_field: str = "max_tokens") -> int:
         """Tokens to generate: the request's, or the recipe's default for the mode (8192 without
         thinking, 65536 with, 131072 at max effort), lowered to the context left.
 
         Raises:
             ApiError: 400 naming ``field`` when the prompt leaves no room to generate, naming
-                max_tokens when the prompt plus the requested max_tokens exceeds the context.
+                ``limit_field`` when the prompt plus the requested limit exceeds the context.
         """
         if prompt_tokens >= max_model_len:
             raise ApiError(f"{field}: {prompt_tokens} tokens leave no room to generate within the model's context "
@@ -200,7 +220,7 @@ class DeepSeekFormat:
         try:
             return cr.resolve_max_tokens(prompt_tokens, max_model_len)
         except (dr.ConversionError, ValueError) as e:
-            raise ApiError(_recipe_message(e)[1], 400, "max_tokens") from None
+            raise ApiError(f"{limit_field}: {_recipe_message(e)[1]}", 400, limit_field) from None
 
     def processor(self, api: str, cr: dr.ConversationRequest, response_id: str, extras: dict,
                   parsing: dr.ParsingOptions | None = None) -> dr.StreamProcessor:

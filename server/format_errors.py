@@ -100,20 +100,37 @@ def too_deep(obj: Any, limit: int) -> bool:
     return False
 
 
+_NOT_TEXT = frozenset({"image_url", "input_image", "image", "file", "input_file", "document", "input_audio",
+                       "audio", "video", "video_url"})
+
+
 def image_part(body: dict[str, Any]) -> str | None:
-    """Path of the first image content part in the body's messages / input, or None: DeepSeek-V4
-    is a text model (the recipe's V4 encoding would replace the image by placeholder text)."""
+    """Path of the first content part that is not text (an image, a file / document, audio) in the
+    body's messages / input, tool results included, or None: DeepSeek-V4 is a text model, and the
+    recipe's V4 encoding would put placeholder text ("[Unsupported Image]") where it was."""
+    def walk(parts: Any, path: str) -> str | None:
+        for j, p in enumerate(parts if isinstance(parts, list) else ()):
+            if not isinstance(p, dict):
+                continue
+            if p.get("type") in _NOT_TEXT:
+                return f"{path}[{j}]"
+            inner = walk(p.get("content"), f"{path}[{j}].content")      # a tool result's own parts
+            if inner:
+                return inner
+        return None
     for f in ("messages", "input"):
         items = body.get(f)
         for i, m in enumerate(items if isinstance(items, list) else ()):
-            parts = m.get("content") if isinstance(m, dict) else None
-            for j, p in enumerate(parts if isinstance(parts, list) else ()):
-                if isinstance(p, dict) and p.get("type") in ("image_url", "input_image", "image"):
-                    return f"{f}[{i}].content[{j}]"
+            if isinstance(m, dict):
+                found = walk([m] if m.get("type") in _NOT_TEXT else m.get("content"),
+                             f"{f}[{i}]" if m.get("type") in _NOT_TEXT else f"{f}[{i}].content")
+                if found:
+                    return found.replace(f"{f}[{i}][0]", f"{f}[{i}]")
     return None
 
 
-def locate(api: str, body: dict[str, Any], message: str, deserialising: bool, convert) -> str | None:
+def locate(api: str, body: dict[str, Any], message: str, deserialising: bool, convert,
+           renamed: dict[str, str] | None = None) -> str | None:
     """The field behind ``message`` (``messages[0].role``, ``tools[1]``, ``tool_choice``), or None.
 
     Args:
@@ -122,7 +139,9 @@ def locate(api: str, body: dict[str, Any], message: str, deserialising: bool, co
         message: the recipe's error message.
         deserialising: the error came from deserialisation (``ValueError``), not a semantic check.
         convert: ``convert(body)`` runs the recipe's conversion of a body, raising as it does.
+        renamed: the recipe's name for a top-level field -> the body's (``stop`` -> ``stop_sequences``).
     """
+    renamed = {**_ALIASES, **(renamed or {})}
     if deserialising:
         model = body.get("model", "")
         for f in _LISTS:
@@ -157,8 +176,9 @@ def locate(api: str, body: dict[str, Any], message: str, deserialising: bool, co
                 return f"tools[{i}].function.parameters" if "function" in t else f"tools[{i}].parameters"
     m = _QUOTED.search(message)
     if m:
-        name = _ALIASES.get(m.group(1), m.group(1))
-        if name.split("[")[0].split(".")[0] in body:
+        head = re.match(r"[A-Za-z_]+", m.group(1)).group(0)
+        name = renamed.get(head, head) + m.group(1)[len(head):]
+        if renamed.get(head, head) in body:
             return name
     for f in _FIELDS:
         if f in body and re.search(rf"\b{f}\b", message, re.IGNORECASE):

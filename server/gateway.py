@@ -3,8 +3,8 @@
     app = create_app(backend, tokenizer, "deepseek_v4")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages
-(Anthropic); GET /v1/models, /health, /metrics. A request becomes a ``server.jobs.Job`` of samples
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages,
+/v1/messages/count_tokens (Anthropic); GET /v1/models, /v1/models/{id}, /health, /metrics. A request becomes a ``server.jobs.Job`` of samples
 (one backend stream each, run concurrently); the job shapes their pieces as a JSON body or SSE
 messages. The chat format (rendering, encoding, output parsing) is DeepSeek's own library, through
 ``server.dsformat``. Errors use the API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere):
@@ -40,8 +40,9 @@ from server.dsformat import DeepSeekFormat
 from server.generation import ClientGone, Generation
 from server.jobs import Job, Piece, Sample
 from server.metrics import CONTENT_TYPE, GatewayMetrics
-from server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
-from server.responses_messages import openai_or_anthropic_error, prepare_messages, prepare_responses
+from server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, MessagesCountRequest, MessagesRequest,
+                             ResponsesRequest, error_body_for)
+from server.responses_messages import count_message_tokens, prepare_messages, prepare_responses
 
 log = logging.getLogger(__name__)
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
@@ -90,8 +91,10 @@ async def _stream(job: Job, gen: Generation, first: tuple[Sample, Piece], watche
 
 # ---- errors -------------------------------------------------------------------------------------------
 def _error(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
+    if status < 500:             # an operator sees refused requests (server faults are logged where they happen)
+        log.info("%s %s -> %d %s", request.method, request.url.path, status, message[:200])
     retry = {"Retry-After": "1"} if status in (429, 503) else None      # overloaded / draining: come back
-    return JSONResponse(openai_or_anthropic_error(request.url.path, message, status, param), status_code=status,
+    return JSONResponse(error_body_for(request.url.path, message, status, param), status_code=status,
                         headers=retry)
 
 
@@ -310,11 +313,23 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
         return await handle(req, request, ("messages", "system", "tools"),
                             lambda r: prepare_messages(r, fmt, tokenizer, backend.max_model_len))
 
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(auth)])
+    async def messages_count_tokens(req: MessagesCountRequest):
+        check_model(req.model)
+        return await asyncio.to_thread(count_message_tokens, req, fmt, backend.max_model_len)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "dsv4-pd", "root": model_name,
+                "parent": None, "max_model_len": backend.max_model_len}
+
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "dsv4-pd", "root": model_name, "parent": None,
-                                            "max_model_len": backend.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}", dependencies=[Depends(auth)])
+    async def model(model: str):
+        check_model(model)
+        return model_card()
 
     @app.get("/health")
     async def health():

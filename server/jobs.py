@@ -40,7 +40,7 @@ class Piece:
     """What one event of one sample adds. ``text`` / ``logprobs``: completions; ``chunks``: the
     recipe's chunks / events (streamed chat, Responses, Messages); ``finish_reason`` set on the
     last piece; ``num_tokens`` new tokens, ``total_tokens`` so far, ``token_ids`` the new ids;
-    ``uncounted_reasoning``: reasoning tokens the recipe's usage misses (``RecipeAssembler``)."""
+    ``reasoning_tokens``: reasoning tokens so far, counted from the ids (``RecipeAssembler``)."""
 
     text: str = ""
     logprobs: dict | None = None
@@ -49,7 +49,7 @@ class Piece:
     num_tokens: int = 0
     total_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
-    uncounted_reasoning: int = 0
+    reasoning_tokens: int = 0
 
 
 class Assembler(Protocol):
@@ -189,6 +189,32 @@ def check_stops(stop, name: str) -> tuple[str, ...]:
             f = name if isinstance(stop, str) else f"{name}[{j}]"
             raise ApiError(f"{f}: at most {MAX_STOP_CHARS} characters, got {len(s)}", 400, name)
     return tuple(s for s in stops if s)
+
+
+# Request fields that would change the output but that this server does not do; each is a 400
+# naming it rather than silently ignored (vLLM's extras included). Value: the values that mean
+# "not asked" (left alone).
+_NOT_DONE = {"guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+             "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+             "prompt_logprobs": (None,), "use_beam_search": (None, False), "truncate_prompt_tokens": (None,),
+             "logits_processors": (None, []), "functions": (None, []), "function_call": (None,),
+             "continue_final_message": (None, False), "add_generation_prompt": (None, True)}
+_HINTS = {"functions": "use tools", "function_call": "use tool_choice",
+          "continue_final_message": "end the messages with an assistant message with \"prefix\": true",
+          "add_generation_prompt": "the assistant turn is always opened",
+          "max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
+          **{k: "constrained decoding is not done yet" for k in ("guided_json", "guided_regex", "guided_choice",
+                                                                 "guided_grammar", "structured_outputs",
+                                                                 "response_format", "output_format")}}
+
+
+def refuse_not_done(body: dict[str, Any], extra: dict[str, tuple] | None = None) -> None:
+    """ApiError 400 naming the first field of ``body`` that asks for something this server does
+    not do (``_NOT_DONE``, plus ``extra``: field -> values that mean "not asked")."""
+    for k, neutral in {**_NOT_DONE, **(extra or {})}.items():
+        if k in body and body[k] not in neutral:
+            hint = _HINTS.get(k, "")
+            raise ApiError(f"{k}: not supported by this server" + (f" ({hint})" if hint else ""), 400, k)
 
 
 def check_logprobs(logprobs: bool, top_logprobs: int | None, max_logprobs: int) -> int | None:

@@ -232,6 +232,12 @@ class MessagesRequest(_Extras):
     metadata: dict[str, Any] | None = None
 
 
+class MessagesCountRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages body without ``max_tokens``."""
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error", 529: "overloaded_error"}
@@ -241,3 +247,10 @@ def anthropic_error_body(message: str, status: int) -> dict:
     """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, message: str, status: int, param: str | None = None) -> dict:
+    """The error body for a request to ``path``: Anthropic's shape under /v1/messages, else OpenAI's."""
+    if path.startswith("/v1/messages"):
+        return anthropic_error_body(message, status)
+    return error_body(message, status, param)

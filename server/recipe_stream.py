@@ -11,8 +11,10 @@ vLLM's token rules:
   ``InferenceChunk.text("", 1)``, so the recipe's token counts equal the engine's;
 * an output cut inside a multi-byte character (max_tokens): the processor drops the bytes of the
   unfinished character (as vLLM) and would not count their tokens; they are counted (pushed as
-  text-less tokens), and when the output was still reasoning, ``uncounted_reasoning`` says how many
-  reasoning tokens the recipe's usage misses (a text-less token counts as output, not reasoning);
+  text-less tokens);
+* reasoning tokens are counted from the ids (vLLM's way): the output tokens before ``</think>``
+  in thinking mode, BOS / EOS / the final stop token excepted. The recipe counts them by
+  re-encoding the reasoning text, which can differ from the tokens generated (and exceed them);
 * a stop sequence the recipe matched ends the sample (finish "stop"; the gateway then aborts the
   backend stream); with ``include_stop_str_in_output`` the matched string is appended to the content
   (``stop_suffix``: the stop string the last token completed, as the recipe picks it; it travels
@@ -44,21 +46,23 @@ class RecipeAssembler:
         accumulate: a recipe response object (``ChatCompletionResponse`` / ``ResponsesResponse`` /
             ``MessagesResponse``) that collects every chunk for a non-streamed response; None when
             streaming (the chunks then travel in the pieces).
-        special_ids: token ids whose text ``skip_special_tokens`` drops (BOS, EOS).
+        special_ids: BOS and EOS: never reasoning tokens; their text is dropped with ``skip_special``
+            (``skip_special_tokens``, the default).
         include_stop: output the text of a final stop token / a matched stop string.
         stops: the request's stop strings (for ``stop_suffix``).
+        reasoning_from_start: the output begins inside the reasoning; think_end_id: ``</think>``.
         decode: ids -> text (the tokenizer's ``decode``), for ``stop_suffix`` and a cut character.
     """
 
     def __init__(self, processor: dr.StreamProcessor, prompt_tokens: int, accumulate=None,
                  special_ids: frozenset[int] = frozenset(), include_stop: bool = False,
                  stops: tuple[str, ...] = (), decode=None, reasoning_from_start: bool = False,
-                 think_end_id: int | None = None):
+                 think_end_id: int | None = None, skip_special: bool = True):
         self._proc = processor
-        self._reasoning_from_start, self._think_end = reasoning_from_start, think_end_id
-        self.uncounted_reasoning = 0
+        self._in_reasoning, self._think_end = reasoning_from_start, think_end_id
+        self.reasoning_tokens = 0
         self._acc = accumulate
-        self._special = special_ids
+        self._special, self._skip = special_ids, skip_special
         self._include_stop = include_stop
         self._stops, self._decode = stops, decode
         self._ids: list[int] = []           # ids whose text the processor saw
@@ -99,7 +103,12 @@ class RecipeAssembler:
             ids.append(tid)
             self.token_ids.append(tid)
             stop_token = ev.finished and k == last and ev.finish_reason == "stop"
-            if (stop_token and not self._include_stop) or tid in self._special:
+            if self._in_reasoning:
+                if tid == self._think_end:
+                    self._in_reasoning = False
+                elif not stop_token and tid not in self._special:
+                    self.reasoning_tokens += 1
+            if (stop_token and not self._include_stop) or (self._skip and tid in self._special):
                 chunk = dr.InferenceChunk.text("", 1)
             else:
                 self._ids.append(tid)
@@ -114,7 +123,7 @@ class RecipeAssembler:
             out += self._end(ev.finish_reason or "stop")
         return Piece(text=self.stop_suffix, chunks=out, num_tokens=self.num_tokens - n0,
                      total_tokens=self.num_tokens, finish_reason=self.finish_reason, token_ids=ids,
-                     uncounted_reasoning=self.uncounted_reasoning)
+                     reasoning_tokens=self.reasoning_tokens)
 
     def abort(self, reason: str = "abort") -> Piece:
         """End without a final event (the backend stream ended early)."""
@@ -123,7 +132,7 @@ class RecipeAssembler:
         out, self._pending = self._pending, []
         out += self._end(reason)
         return Piece(chunks=out, total_tokens=self.num_tokens, finish_reason=self.finish_reason,
-                     uncounted_reasoning=self.uncounted_reasoning)
+                     reasoning_tokens=self.reasoning_tokens)
 
     def close(self) -> None:
         """Release the processor of a sample that will not finish (error, disconnect)."""
@@ -136,8 +145,6 @@ class RecipeAssembler:
         held = self._held_tokens()
         if held:          # the recipe drops them uncounted at finish: count them (their bytes stay dropped)
             out += self._out(self._proc.push(dr.InferenceChunk.text("", held)))
-            if self._reasoning_from_start and self._think_end not in self._ids:
-                self.uncounted_reasoning = held
         out += self._out(self._proc.push(dr.InferenceChunk.finish(finish_reason(reason))))
         return out + self._out(self._proc.finish())
 

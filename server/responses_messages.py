@@ -19,16 +19,27 @@ import deepseek_recipe as dr
 
 from server.chat_completions import recipe_sampling
 from server.dsformat import DeepSeekFormat
-from server.jobs import Job, Piece, Sample, sample_seed, sampling_params, sse
-from server.protocol import ApiError, MessagesRequest, ResponsesRequest, anthropic_error_body, error_body
+from server.jobs import Job, Piece, Sample, refuse_not_done, sample_seed, sampling_params, sse
+from server.protocol import ApiError, MessagesRequest, ResponsesRequest, anthropic_error_body
 from server.recipe_stream import RecipeAssembler
+
+
+# fields of the other APIs a client may send here by mistake, and what asks for an output format
+_NOT_HERE = {"responses": {"max_tokens": (None,), "max_completion_tokens": (None,)},
+             "messages": {"output_format": (None,), "response_format": (None, {"type": "text"})}}
 
 
 def _prepare(api: str, req, fmt: DeepSeekFormat, tokenizer, max_model_len: int, prefix: str, field: str):
     body = req.model_dump(exclude_unset=True)
+    refuse_not_done(body, _NOT_HERE[api])
+    fmt_cfg = body.get("output_config")
+    if api == "messages" and isinstance(fmt_cfg, dict) and fmt_cfg.get("format") is not None:
+        raise ApiError("output_config.format: a structured output needs constrained decoding, which this server "
+                       "does not do yet", 400, "output_config.format")
     cr, extras = fmt.convert(api, body)
     ids = fmt.encode(cr, max_model_len, field)
-    max_new = fmt.max_tokens(cr, len(ids), max_model_len, field)
+    max_new = fmt.max_tokens(cr, len(ids), max_model_len, field,
+                             "max_output_tokens" if api == "responses" else "max_tokens")
     logprobs = None
     if api == "responses" and (body.get("top_logprobs") or 0) > 0:
         raise ApiError("top_logprobs: not supported on /v1/responses (use /v1/chat/completions)", 400,
@@ -48,6 +59,13 @@ def prepare_responses(req: ResponsesRequest, fmt: DeepSeekFormat, tokenizer, max
     return ResponsesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
                         extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
                         decode=tokenizer.decode)
+
+
+def count_message_tokens(req, fmt: DeepSeekFormat, max_model_len: int) -> dict:
+    """POST /v1/messages/count_tokens: ``{"input_tokens": N}``, the prompt ids a Messages request
+    would send (Anthropic's endpoint; Claude Code asks it). Raises ApiError as ``prepare_messages``."""
+    cr, _ = fmt.convert("messages", req.model_dump(exclude_unset=True))
+    return {"input_tokens": len(fmt.encode(cr, max_model_len, "messages"))}
 
 
 def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_model_len: int) -> MessagesJob:
@@ -85,19 +103,16 @@ class _RecipeJob(Job):
         name = self.response_cls.sse_event_name
         self.sent += len(p.chunks)
         out = [(c.to_json(), name(c)) for c in p.chunks]
-        if p.uncounted_reasoning:
-            out = [(self._fix_usage(data, p.uncounted_reasoning), ev) for data, ev in out]
+        if p.finish_reason is not None:
+            out = [(self._fix_usage(data, p.reasoning_tokens), ev) for data, ev in out]
         return [sse(data, ev) for data, ev in out]
 
-    def _fix_usage(self, data: str, extra: int) -> str:
-        """Add reasoning tokens the recipe did not count to an event's usage (Responses reports them)."""
+    def _fix_usage(self, data: str, reasoning: int) -> str:
+        """An event's usage with the reasoning tokens counted from the ids (Responses reports them)."""
         return data
 
     def body(self, asms) -> dict:
-        d = json.loads(asms[0].response.to_json())
-        if asms[0].uncounted_reasoning:
-            d = json.loads(self._fix_usage(json.dumps(d), asms[0].uncounted_reasoning))
-        return d
+        return json.loads(self._fix_usage(asms[0].response.to_json(), asms[0].reasoning_tokens))
 
 
 @dataclass
@@ -106,12 +121,14 @@ class ResponsesJob(_RecipeJob):
     api = "responses"
     response_cls = dr.ResponsesResponse
 
-    def _fix_usage(self, data: str, extra: int) -> str:
+    def _fix_usage(self, data: str, reasoning: int) -> str:
+        if '"output_tokens_details"' not in data:
+            return data
         d = json.loads(data)
         u = (d.get("response") or d).get("usage")
         if not (u and isinstance(u.get("output_tokens_details"), dict)):
             return data
-        u["output_tokens_details"]["reasoning_tokens"] = u["output_tokens_details"].get("reasoning_tokens", 0) + extra
+        u["output_tokens_details"]["reasoning_tokens"] = reasoning
         return json.dumps(d, ensure_ascii=False)
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
@@ -127,10 +144,3 @@ class MessagesJob(_RecipeJob):
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
         return [sse(anthropic_error_body(message, status), "error")]
-
-
-def openai_or_anthropic_error(path: str, message: str, status: int, param: str | None = None) -> dict:
-    """The error body for a request to ``path``: Anthropic's shape under /v1/messages, else OpenAI's."""
-    if path.startswith("/v1/messages"):
-        return anthropic_error_body(message, status)
-    return error_body(message, status, param)

@@ -71,3 +71,31 @@ class ScriptedBackend:
 
     async def close(self):
         pass
+
+
+THINK_END_ID = 128822          # </think> in the DeepSeek-V4 tokenizer
+
+
+def reasoning_from_ids(ids, starts_in_reasoning: bool, skip=()) -> int:
+    """The gateway's reasoning-token count (``server/recipe_stream.py``, vLLM's way): the output ids
+    before ``</think>`` in thinking mode, BOS / EOS and the positions in ``skip`` (a text-less final
+    stop token) excepted. DeepSeek's recipe re-encodes the reasoning text instead, which can differ."""
+    if not starts_in_reasoning:
+        return 0
+    n = 0
+    for k, t in enumerate(ids):
+        if t == THINK_END_ID:
+            break
+        n += t not in (0, 1) and k not in skip
+    return n
+
+
+def set_reasoning_usage(obj: dict, n: int) -> dict:
+    """``obj`` (a chat / Responses response, or an event holding one) with its reported reasoning
+    tokens set to ``n`` (in place; objects without them are left alone)."""
+    for holder in (obj, obj.get("response") if isinstance(obj.get("response"), dict) else None):
+        u = (holder or {}).get("usage") or {}
+        for key in ("completion_tokens_details", "output_tokens_details"):
+            if isinstance(u.get(key), dict) and "reasoning_tokens" in u[key]:
+                u[key]["reasoning_tokens"] = n
+    return obj

@@ -101,6 +101,8 @@ CASES = [
     Case("lone-surrogate-prompt", CMPL, b'{"prompt": "a\\udfffb", "max_tokens": 1}', 400, "prompt", "prompt"),
     Case("oversize-content-length", CHAT, b'{"messages": [], "x": "' + b"a" * LIMIT + b'"}', 413, "request body"),
     Case("oversize-chunked", CHAT, _oversize_chunks, 413, "request body"),
+    Case("oversize-messages", "/v1/messages", b'{"messages": [], "x": "' + b"a" * LIMIT + b'"}', 413,
+         "request body"),
     # -- wrong types
     Case("messages-string", CHAT, chat(messages="hi"), 400, "messages"),
     Case("messages-object", CHAT, chat(messages={"role": "user", "content": "x"}), 400, "messages"),
@@ -134,7 +136,7 @@ CASES = [
          chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
          "messages[0].content[0]"),
     Case("content-part-unknown-type", CHAT,
-         chat(messages=[{"role": "user", "content": [{"type": "video", "video": "x"}]}]), 400,
+         chat(messages=[{"role": "user", "content": [{"type": "hologram", "hologram": "x"}]}]), 400,
          "messages[0].content[0].type"),
     Case("content-part-no-text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
          "messages[0].content[0].text"),
@@ -269,6 +271,12 @@ def test_bad_input_is_a_named_4xx_and_the_server_keeps_serving(server, http, cas
     server[2].append(r.status_code)
     assert r.status_code == case.status, r.text
     body = r.json()
+    if case.path.startswith("/v1/messages"):         # Anthropic's shape there
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+        assert body["error"]["type"] == {413: "request_too_large"}.get(case.status, "invalid_request_error")
+        assert case.name in body["error"]["message"], body
+        _served(http)
+        return
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     err = body["error"]
     assert err["code"] == case.status and isinstance(err["message"], str)

@@ -40,7 +40,7 @@ import pytest
 
 from engine.sampling import Sampled
 from engine.tokenizer import Tokenizer
-from serve_util import ScriptedBackend
+from serve_util import ScriptedBackend, reasoning_from_ids, set_reasoning_usage
 from server.backend import TokenEvent
 from server.chat_completions import prepare_chat
 from server.dsformat import DeepSeekFormat
@@ -246,14 +246,19 @@ def recipe(rtok: dr.Tokenizer, api: str, body: dict, ids: list[int], finish: str
         out += proc.push(dr.InferenceChunk.finish(FINISH[finish]))
         out += proc.finish()
     acc = _RESP[api]("RID", MODEL, 0, len(prompt), 0)
+    # reasoning tokens as the gateway counts them: from the ids, not the recipe's re-encoding
+    po = cr.parsing_options
+    stage = po.thinking_initial_stage
+    n_reason = reasoning_from_ids(ids[:consumed], stage is not None and stage.starts_in_reasoning()
+                                  and not po.starts_in_tool_calls, blank)
     events = []
     for c in out:
-        d = json.loads(c.to_json())
+        d = set_reasoning_usage(json.loads(c.to_json()), n_reason)
         if api != "chat":
             d["_event"] = _RESP[api].sse_event_name(c)
         events.append(d)
         acc.accumulate(c)              # consumes the chunk
-    return Expected(json.loads(acc.to_json()), events, prompt, consumed)
+    return Expected(set_reasoning_usage(json.loads(acc.to_json()), n_reason), events, prompt, consumed)
 
 
 # ---- comparing chat outputs --------------------------------------------------------------------------------

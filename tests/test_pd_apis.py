@@ -37,6 +37,7 @@ import torch
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from pd_util import start_pd, wait_idle
+from serve_util import reasoning_from_ids, set_reasoning_usage
 
 MODEL = "deepseek_v4"
 KEY = "test-key-pd-apis"
@@ -124,19 +125,24 @@ class Recipe:
         for t in ids:
             out += proc.push(dr.InferenceChunk.tokens([t]))
         out += proc.push(dr.InferenceChunk.finish(LENGTH))
-        return out + proc.finish(), n_prompt
+        po = cr.parsing_options
+        stage = po.thinking_initial_stage
+        starts = stage is not None and stage.starts_in_reasoning() and not po.starts_in_tool_calls
+        return out + proc.finish(), n_prompt, reasoning_from_ids(ids, starts)
 
     def events(self, api: str, body: dict, ids: list[int], rid: str) -> list[dict]:
-        """The recipe's chunks / events (JSON) for output ``ids``."""
-        return [json.loads(e.to_json()) for e in self._process(api, body, ids, rid)[0]]
+        """The recipe's chunks / events (JSON) for output ``ids``, reasoning tokens counted from the ids."""
+        out, _, n_reason = self._process(api, body, ids, rid)
+        return [set_reasoning_usage(json.loads(e.to_json()), n_reason) for e in out]
 
     def response(self, api: str, body: dict, ids: list[int], rid: str) -> dict:
-        """The recipe's accumulated response object for output ``ids`` (clock fields dropped)."""
-        out, n_prompt = self._process(api, body, ids, rid)
+        """The recipe's accumulated response object for output ``ids`` (clock fields dropped),
+        reasoning tokens counted from the ids (the gateway's rule)."""
+        out, n_prompt, n_reason = self._process(api, body, ids, rid)
         acc = self.RESP[api](rid, MODEL, 0, n_prompt, 0)
         for e in out:
             acc.accumulate(e)
-        return _noclock(json.loads(acc.to_json()))
+        return _noclock(set_reasoning_usage(json.loads(acc.to_json()), n_reason))
 
 
 @pytest.fixture(scope="module")
