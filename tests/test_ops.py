@@ -182,9 +182,10 @@ def test_row_results_do_not_depend_on_the_batch():
 
 
 def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
-    """The streamed LM head and the batched routed experts of decode-sized batches give each row
-    the bits it gets alone, and the same bits as the plain paths they replace; experts too large
-    to gather per call, and empty inputs, take the loop."""
+    """The streamed LM head and the routed experts (one buffer of row blocks up to
+    MOE_BATCHED_TOKENS tokens, a loop over experts above) give each row the bits it gets alone,
+    both expert paths the same bits, and the values of the plain math; empty inputs give empty
+    outputs."""
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 64, generator=g), torch.randn(1000, 64, generator=g)
     alone = torch.cat([R.lm_head(x[i:i + 1], w) for i in range(40)])
@@ -197,13 +198,104 @@ def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
     xs = torch.randn(40, H, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(40)])   # unsorted, as hash layers
     wts = torch.rand(40, k, generator=g)
+    naive = torch.zeros(40, H)
+    for t in range(40):
+        for e, wgt in zip(ids[t].tolist(), wts[t]):
+            h = R.swiglu_clamp(xs[t] @ w1[e].T, xs[t] @ w3[e].T, 10.0)
+            naive[t] += wgt * (h @ w2[e].T)
     for act in (None, "int8-token"):
         alone = torch.cat([R.moe_experts(xs[i:i + 1], ids[i:i + 1], wts[i:i + 1], w1, w3, w2, 10.0, act)
                            for i in range(40)])
-        for T in (2, 5, 16, 17, 40):                       # batched up to MOE_BATCHED_TOKENS, looped above
+        for T in (2, 5, 16, 17, 40):                       # blocks up to MOE_BATCHED_TOKENS, looped above
             assert torch.equal(R.moe_experts(xs[:T], ids[:T], wts[:T], w1, w3, w2, 10.0, act), alone[:T]), (T, act)
-        for key, value in (("MOE_BATCHED_TOKENS", 0), ("MOE_BATCHED_MAX_EXPERT", I * H - 1)):
-            monkeypatch.setattr(R, key, value)             # the loop: same bits
-            assert torch.equal(R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act), alone[:16])
-            monkeypatch.undo()
+        monkeypatch.setattr(R, "MOE_BATCHED_TOKENS", 0)    # the loop: same bits
+        assert torch.equal(R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act), alone[:16])
+        monkeypatch.undo()
+    assert torch.allclose(R.moe_experts(xs, ids, wts, w1, w3, w2, 10.0), naive, atol=1e-5)
     assert R.moe_experts(xs[:0], ids[:0], wts[:0], w1, w3, w2, 10.0).shape == (0, H)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_every_gemm_row_keeps_its_bits_at_any_row_count(threads):
+    """Every GEMM and per-row batched matmul: a row's bits at M = 1, 2, 3, 5, 8, 13 rows (two
+    offsets) equal its bits among 40 rows, on 1, 2 and 4 threads; attention and indexer rows of a
+    chunk equal the rows run one at a time. CPU BLAS splits a call's work by the call's shape and
+    rounds differently per split; on an AMD EPYC (MKL ignores strict CNR there) a row of
+    ``[M, 256] x [256, 16]`` changed between M = 8 and 16 rows, a batched matmul item between 1
+    and 2 items and a score column between 11 and 12 columns, so the ops run calls of one shape."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_rows_keep_their_bits()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_rows_keep_their_bits():
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g)                                   # noqa: E731
+    B = 40
+
+    def same_rows(name, f, *xs):
+        """f over rows s .. s+M-1 of every x equals rows s .. s+M-1 of f over all B rows."""
+        full = f(*(x[:B] for x in xs))
+        for M in (1, 2, 3, 5, 8, 13):
+            for s in (0, 3):
+                part = f(*(x[s:s + M] for x in xs))
+                for a, b in zip(*((t,) if torch.is_tensor(t) else t for t in (part, full))):
+                    assert torch.equal(a, b[s:s + M]), (name, M, s)
+
+    x = r(B, 256)
+    for N in (4, 16, 24, 129, 1024):
+        w = r(N, 256)
+        same_rows(f"linear N={N}", lambda a: R.linear(a, w), x)
+    same_rows("lm_head", lambda a: R.lm_head(a, w), x)                             # w: [1024, 256]
+    wg = r(2 * 128, 64)
+    same_rows("grouped_linear", lambda a: R.grouped_linear(a, wg), r(B, 2, 64))
+    n, H = 4, 64
+    fn, base, scale = r((2 + n) * n, n * H) * 0.1, r((2 + n) * n), torch.rand(3, generator=g)
+    X = r(B, n, H)
+    same_rows("hc_pre", lambda a: R.hc_pre(a, fn, scale, base, 1e-6, 1e-6, 5), X)
+    same_rows("hc_head", lambda a: R.hc_head(a, fn[:n], scale[:1], base[:n], 1e-6, 1e-6), X)
+    comb = torch.softmax(r(B, n, n), -1)
+    same_rows("hc_post", R.hc_post, r(B, H), X, torch.rand(B, n, generator=g), comb)
+    E, I, k = 16, 32, 6
+    w1, w3, w2 = r(E, I, H) * 0.1, r(E, I, H) * 0.1, r(E, H, I) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(B)])
+    same_rows("moe_experts", lambda a, i, wt: R.moe_experts(a, i, wt, w1, w3, w2, 10.0), r(B, H), ids,
+              torch.rand(B, k, generator=g))
+    # per-row products (attention, indexer): shared keys, gathered per-row keys and overlapping
+    # windows of one key sequence, each row alike
+    h, d, W, nk = 4, 128, 32, 16
+    q, keys = r(B, h, d), r(nk, d)
+    same_rows("row_scores shared", lambda a: R.row_scores(a, keys), q)
+    same_rows("row_scores per row", lambda a, kk: R.row_scores(a, kk), q, keys.expand(B, nk, d).contiguous())
+    assert torch.equal(R.row_scores(q, keys), R.row_scores(q, keys.expand(B, nk, d).contiguous()))
+    kv = r(B + W - 1, d)
+    win = kv.unfold(0, W, 1).transpose(1, 2)                                     # [B, W, d] views
+    same_rows("row_scores window", lambda a, kk: R.row_scores(a, kk), q, win)
+    assert torch.equal(R.row_scores(q, win), R.row_scores(q, win.contiguous()))
+    p = torch.softmax(r(B, h, W + nk + 1), -1)
+    same_rows("row_mix window", lambda a, v: R.row_mix(a[..., :W], v), p, win)
+    same_rows("row_mix shared", lambda a: R.row_mix(a[..., W:-1], keys), p)
+    same_rows("weighted_relu_sum", lambda s, wt: R.weighted_relu_sum(s.clone(), wt, 0.5), r(B, 16, 100), r(B, 16))
+    # the ops built on them, one query at a time vs a chunk: window + CSA picks, window + HCA
+    pos = torch.arange(300, 300 + B)
+    win_kv, cmp, sinks = r(B + W - 1, d), r(80, d), r(h)
+    topk = torch.randint(0, 80, (B, nk), generator=g)
+    topk[::3, -2:] = -1
+    chunk = R.sparse_attn(q, pos, win_kv, 300 - (W - 1), W, cmp, 4, topk, sinks, 0.1)
+    alone = torch.cat([R.sparse_attn(q[t:t + 1], pos[t:t + 1], win_kv, 300 - (W - 1), W, cmp, 4, topk[t:t + 1],
+                                     sinks, 0.1) for t in range(B)])
+    assert torch.equal(chunk, alone)
+    pos = torch.arange(256, 256 + B)                                             # HCA entries 0, 1 (256 + 40 < 384)
+    chunk = R.sparse_attn(q, pos, win_kv, 256 - (W - 1), W, cmp[:2], 128, None, sinks, 0.1)
+    alone = torch.cat([R.sparse_attn(q[t:t + 1], pos[t:t + 1], win_kv, 256 - (W - 1), W, cmp[:2], 128, None,
+                                     sinks, 0.1) for t in range(B)])
+    assert torch.equal(chunk, alone)
+    # indexer scores of a prefill chunk (9 .. 19 entries visible) vs one query at a time (decode)
+    qi, wi, ki, pos = r(B, 16, d), r(B, 16), r(B // 4 + 20, d), torch.arange(37, 37 + B)
+    (_, _, chunk, _), = R.indexer_scores(qi, wi, ki, pos, 4, 0.1)
+    for t in range(B):
+        (_, _, alone, _), = R.indexer_scores(qi[t:t + 1], wi[t:t + 1], ki, pos[t:t + 1], 4, 0.1)
+        assert torch.equal(alone[0], chunk[t, :alone.shape[1]]), t

@@ -7,9 +7,10 @@ layer, a few dozen small ops each. Here every single-token row whose state lives
 per step (``DecodeRows``), and each layer gathers, updates and attends for all rows at once.
 
 Every row's result is bit-identical to the per-sequence path (``tests/test_batched_decode.py``):
-the same kernels on the same per-row shapes (batched matmuls run one GEMM per row, row-wise ops
-do not mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA before its
-first entry) are attended in separate groups, since a longer reduction rounds differently.
+the same calls on the same per-row shapes (the per-row products go through ``reference.row_scores``
+/ ``row_mix``, batched matmuls of a fixed number of rows whatever the batch; row-wise ops do not
+mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA before its first entry)
+are attended in separate groups, since a longer reduction rounds differently.
 Letters: B rows, h heads, d head dim, W window, k top-k, N entries, m compress ratio.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from engine.cache import PagedCache, PagedSequenceState
 from engine.config import CSA_RATIO
 from engine.ops import reference
-from engine.ops.reference import _gemm, _topk_low_index, weighted_relu_sum
+from engine.ops.reference import _gemm, _topk_low_index, row_mix, row_scores, weighted_relu_sum
 
 
 NO_BLOCK = 1 << 40                    # block-table padding: past every pool
@@ -147,18 +148,10 @@ def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entri
         if n == 0:
             continue
         keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
-        s = weighted_relu_sum(torch.einsum("thd,tnd->thn", iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
+        s = weighted_relu_sum(row_scores(iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
         allowed = torch.ones_like(s, dtype=torch.bool)
         out[g] = _topk_low_index(s, allowed, idx.topk)
     return out
-
-
-def _hca(a: torch.Tensor, ck: torch.Tensor, shared: str, batched: str) -> torch.Tensor:
-    """An HCA product over per-row entries ``ck [b, N, d]``. With one entry einsum takes another
-    kernel than the per-sequence path's shared-key form, so that case runs row by row in it."""
-    if ck.shape[1] > 1:
-        return torch.einsum(batched, a, ck)
-    return torch.cat([torch.einsum(shared, a[i:i + 1], ck[i]) for i in range(ck.shape[0])])
 
 
 def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
@@ -179,7 +172,6 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
     win = s0.win_pool
     win[dec.win_write] = kv
     wk = win[dec.win_rows].float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
-    wk = wk.transpose(1, 2)                                                    # [B, d, W]
     ck = topk = None
     if att.compressor is not None:
         pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
@@ -198,26 +190,23 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
     o = torch.empty_like(q)
     for n, g in _groups(keys):
         kq = qf[g]
-        scores = [torch.einsum("thd,tdw->thw", kq, wk[g]).mul(scale).masked_fill(~dec.win_valid[g][:, None],
-                                                                                   float("-inf"))]
+        wg = wk[g]
+        scores = [row_scores(kq, wg).mul(scale).masked_fill(~dec.win_valid[g][:, None], float("-inf"))]
         if n and topk is not None:                                             # CSA: the indexer's picks
             t = topk[g]
             valid = t >= 0
             ck = s0.cmp_kv.pool[_rows(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
-            scores.append(torch.einsum("thd,tkd->thk", kq, ck).mul(scale).masked_fill(~valid[:, None],
-                                                                                       float("-inf")))
+            scores.append(row_scores(kq, ck).mul(scale).masked_fill(~valid[:, None], float("-inf")))
         elif n:                                                                 # HCA: every entry
             idx = torch.arange(n, device=q.device).expand(len(g), n)
             ck = s0.cmp_kv.pool[_rows(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
-            scores.append(_hca(kq, ck, "thd,nd->thn", "thd,tnd->thn").mul(scale))
+            scores.append(row_scores(kq, ck).mul(scale))
         sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
         logits = torch.cat(scores + [sink], dim=-1)
         probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
-        W = wk.shape[-1]
-        og = torch.einsum("thw,tdw->thd", probs[..., :W], wk[g])
-        if n and topk is not None:
-            og = og + torch.einsum("thk,tkd->thd", probs[..., W:-1], ck)
-        elif n:
-            og = og + _hca(probs[..., W:-1], ck, "thn,nd->thd", "thn,tnd->thd")
+        W = wk.shape[1]
+        og = row_mix(probs[..., :W], wg)
+        if n:
+            og = og + row_mix(probs[..., W:-1], ck)
         o[g] = og.to(q.dtype)
     return o

@@ -18,9 +18,17 @@ from engine.qformats import dequant_int, dequant_mx, mx_fake_quant
 
 # Query-chunk budget: elements of one score block (T_chunk x h x keys) kept in fp32.
 SCORE_BUDGET = 1 << 23
-# CPU BLAS computes leftover rows (below its row-panel height) with other kernels that round
-# differently; padding every GEMM's row count to a multiple of this makes a row's result
-# independent of how many other rows (other requests' tokens, chunk sizes) share the call.
+# Batch invariance on CPU: a row's bits must not depend on how many rows share a BLAS call. CPU
+# BLAS picks kernels and splits work across threads by the call's shape (leftover rows, narrow
+# column slices when rows are few), and rounds differently in each; MKL's strict CNR mode
+# (engine/__init__.py) holds that still on Intel CPUs but not on AMD ones (EPYC: a row of an
+# [M, 256] x [256, 16] GEMM changes bits between M = 8 and M = 16 on 2 threads, a batched
+# matmul item between 1 and 2 items, a score column between 11 and 12 columns). So on CPU every
+# GEMM and every per-row batched matmul here runs in calls of exactly GEMM_ROW_MULTIPLE rows (the
+# last block zero-padded), and a row's products have the same number of columns on every path:
+# the same call shape, hence the same kernel and split, for every row whatever the number of
+# rows. On other devices linear / grouped_linear / the per-row products stay single calls (rows
+# padded to a multiple of GEMM_ROW_MULTIPLE).
 GEMM_ROW_MULTIPLE = 8
 
 
@@ -28,12 +36,74 @@ def _pad_rows(M: int) -> int:
     return -(-M // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE - M
 
 
+def _pad_block(x: torch.Tensor) -> torch.Tensor:
+    """x ``[r, ...]`` (r <= GEMM_ROW_MULTIPLE) zero-padded to ``GEMM_ROW_MULTIPLE`` rows, contiguous."""
+    r = x.shape[0]
+    if r == GEMM_ROW_MULTIPLE:
+        return x.contiguous()
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, GEMM_ROW_MULTIPLE - r))
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` with rows padded to a multiple of ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
-    pad = _pad_rows(x.shape[0])
-    if pad == 0:
+    """``F.linear`` in row blocks of exactly ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
+    M, R = x.shape[0], GEMM_ROW_MULTIPLE
+    if M == 0:
         return F.linear(x, weight)
-    return F.linear(F.pad(x, (0, 0, 0, pad)), weight)[: x.shape[0]]
+    if x.device.type != "cpu":
+        return F.linear(F.pad(x, (0, 0, 0, _pad_rows(M))), weight)[:M]
+    x, wt = x.contiguous(), weight.t()
+    if M <= R:
+        return torch.mm(_pad_block(x), wt)[:M]
+    full = M // R * R
+    out = torch.empty(-(-M // R) * R, weight.shape[0], dtype=x.dtype, device=x.device)
+    if full:
+        for xb, ob in zip(x[:full].view(-1, R, x.shape[1]), out[:full].view(-1, R, out.shape[1])):
+            torch.mm(xb, wt, out=ob)
+    if full < M:
+        torch.mm(_pad_block(x[full:]), wt, out=out[full:])
+    return out[:M]
+
+
+def _row_bmm(a: torch.Tensor, b: torch.Tensor, b_t: bool) -> torch.Tensor:
+    """Per-row products ``a[t] @ b[t]`` (``b[t]^T`` with ``b_t``) as batched matmuls of exactly
+    ``GEMM_ROW_MULTIPLE`` rows each, the last group padded (see ``GEMM_ROW_MULTIPLE``).
+
+    a: ``[T, m, k]``. b: ``[T, k, n]`` (``[T, n, k]`` with b_t) or, shared by all rows, ``[k, n]``
+    (``[n, k]``), used in place (stride-0 batch). a is made contiguous and b's items dense
+    (row-major), so every call sees the same item layouts (a window of overlapping rows, a slice of
+    a wider tensor, a gathered copy or a shared tensor alike). Returns ``[T, m, n]`` in a's dtype.
+    """
+    T, R = a.shape[0], GEMM_ROW_MULTIPLE
+    shared = b.dim() == 2
+    if a.device.type != "cpu":
+        b = b.expand(T, *b.shape) if shared else b
+        return torch.bmm(a, b.transpose(1, 2) if b_t else b)
+    if not shared and (b.stride(-1) != 1 or b.stride(-2) != b.shape[-1]):
+        b = b.contiguous()
+    a = a.contiguous()
+
+    def group(t0: int, r: int) -> torch.Tensor:
+        if r == 1:                                   # padding items repeat the row (results unused)
+            ag, bg = a[t0:t0 + 1].expand(R, *a.shape[1:]), b if shared else b[t0:t0 + 1]
+        else:
+            ag = _pad_block(a[t0:t0 + r])
+            bg = b if shared else b[t0:t0 + R] if r == R else _pad_block(b[t0:t0 + r])
+        bg = bg.expand(R, *b.shape) if shared else bg.expand(R, *bg.shape[1:])
+        return torch.bmm(ag, bg.transpose(1, 2) if b_t else bg)
+
+    if T <= R:
+        return group(0, T)[:T] if T else a.new_empty((0, a.shape[1], b.shape[-2] if b_t else b.shape[-1]))
+    return torch.cat([group(t0, min(R, T - t0)) for t0 in range(0, T, R)])[:T]
+
+
+def row_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``q[t] @ keys[t]^T`` per row: q ``[T, h, d]``, keys ``[T, n, d]`` or shared ``[n, d]`` -> ``[T, h, n]``."""
+    return _row_bmm(q, keys, True)
+
+
+def row_mix(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``p[t] @ values[t]`` per row: p ``[T, h, n]``, values ``[T, n, d]`` or shared ``[n, d]`` -> ``[T, h, d]``."""
+    return _row_bmm(p, values, False)
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -170,8 +240,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     T, G, K = x.shape
     w = weight.to(x.dtype).view(G, -1, K)
-    pad = _pad_rows(T)                                                   # batch invariance, see _gemm
-    return torch.einsum("tgk,gnk->tgn", F.pad(x, (0, 0, 0, 0, 0, pad)) if pad else x, w)[:T]
+    x, R = x.contiguous(), GEMM_ROW_MULTIPLE                            # batch invariance, see _gemm
+    if x.device.type != "cpu":
+        return torch.einsum("tgk,gnk->tgn", F.pad(x, (0, 0, 0, 0, 0, _pad_rows(T))), w)[:T]
+    if 0 < T <= R:
+        return torch.einsum("tgk,gnk->tgn", _pad_block(x), w)[:T]
+    out = torch.empty(T + _pad_rows(T), G, w.shape[1], dtype=x.dtype, device=x.device)
+    for b in range(0, T, R):
+        out[b:b + R] = torch.einsum("tgk,gnk->tgn", _pad_block(x[b:b + R]), w)
+    return out[:T]
 
 
 def _sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +293,12 @@ def hc_post(f: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Te
     Returns:
         ``[T, n, H]`` in X.dtype.
     """
-    out = post.unsqueeze(-1) * f.float().unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), X.float())
+    # elementwise over the n input streams in order, not a batched matmul: no BLAS call whose
+    # shape depends on the number of rows (batch invariance, see GEMM_ROW_MULTIPLE)
+    Xf = X.float()
+    out = post.unsqueeze(-1) * f.float().unsqueeze(1)
+    for j in range(X.shape[1]):
+        out.add_(comb[:, j, :, None] * Xf[:, j, None, :])
     return out.to(X.dtype)
 
 
@@ -311,28 +393,36 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                    ratio: int, scale: float):
     """Yield ``(t0, t1, scores [t, n] fp32 with -inf on non-candidates, allowed [t, n] bool)`` per
-    query chunk; ``n`` = entries visible to the chunk's last query. Shapes as in ``indexer_topk``."""
+    query chunk; ``n`` = entries visible to the chunk's last query. Shapes as in ``indexer_topk``.
+
+    Queries that see the same number of entries are scored together over exactly those entries: a
+    row's products then have the shape they have at decode (CPU BLAS rounds a product's columns
+    differently by the number of columns: batch / chunk invariance, see ``GEMM_ROW_MULTIPLE``)."""
     T = q.shape[0]
     if keys.shape[0] == 0:
         return
     step = max(1, SCORE_BUDGET // max(1, q.shape[1] * keys.shape[0]))
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        pos = positions[t0:t1]
-        n_allowed = min(keys.shape[0], int(pos[-1] + 1) // ratio)
+        seen = ((positions[t0:t1] + 1) // ratio).clamp(max=keys.shape[0])    # entries per query
+        n_allowed = int(seen.max())
         if n_allowed == 0:
             continue
-        s = weighted_relu_sum(torch.einsum("thd,nd->thn", q[t0:t1].float(), keys[:n_allowed].float()),
-                              weights[t0:t1], scale)                          # [t, n]
-        allowed = torch.arange(n_allowed, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
-        yield t0, t1, s.masked_fill(~allowed, float("-inf")), allowed
+        s = torch.full((t1 - t0, n_allowed), float("-inf"), device=q.device)
+        a = 0
+        for n, c in zip(*(v.tolist() for v in torch.unique_consecutive(seen, return_counts=True))):
+            if n:
+                s[a:a + c, :n] = weighted_relu_sum(row_scores(q[t0 + a:t0 + a + c].float(), keys[:n].float()),
+                                                   weights[t0 + a:t0 + a + c], scale)
+            a += c
+        yield t0, t1, s, torch.arange(n_allowed, device=q.device)[None] < seen[:, None]
 
 
 def weighted_relu_sum(s: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
     """``sum_h (w_h * scale) * ReLU(s_h)`` for ``s [t, h, n]`` fp32 (overwritten) and ``weights
-    [t, h]``: ReLU in place, then one batched matmul over heads, so the ``[t, h, n]`` block is
-    read twice instead of materialised three more times (it bounds long prefill). -> ``[t, n]``."""
-    return torch.bmm((weights.float() * scale).unsqueeze(1), s.clamp_min_(0)).squeeze(1)
+    [t, h]``: ReLU in place, then a batched matmul over heads (``row_mix``), so the ``[t, h, n]``
+    block is read twice instead of materialised three more times (it bounds long prefill). -> ``[t, n]``."""
+    return row_mix((weights.float() * scale).unsqueeze(1), s.clamp_min_(0)).squeeze(1)
 
 
 def _topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
@@ -402,37 +492,35 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
     kv = win_kv[max(0, first): int(pos[-1]) + 1 - win_pos0].float()
     if first < 0:
         kv = F.pad(kv, (0, 0, -first, 0))
-    wk = kv.unfold(0, window, 1)                                          # [t, d, window]
+    wk = kv.unfold(0, window, 1).transpose(1, 2)                         # [t, window, d] (views)
     kpos = pos[:, None] - window + 1 + torch.arange(window, device=q.device)
-    scores = [torch.einsum("thd,tdw->thw", qf, wk).mul(scale).masked_fill((kpos < 0)[:, None], float("-inf"))]
+    # per-row products through row_scores / row_mix: the batched decode path's calls (batch invariance)
+    scores = [row_scores(qf, wk).mul(scale).masked_fill((kpos < 0)[:, None], float("-inf"))]
     if cmp_kv is not None and topk_idx is None:                           # HCA: dense causal
         nc = min(cmp_kv.shape[0], int(pos[-1] + 1) // cmp_ratio)
         ck = cmp_kv[:nc].float()
         cmask = torch.arange(nc, device=q.device)[None] < ((pos + 1) // cmp_ratio)[:, None]
-        scores.append(torch.einsum("thd,nd->thn", qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
+        scores.append(row_scores(qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
     elif cmp_kv is not None:                                              # CSA: indexer picks
         valid = topk_idx >= 0
         ck = cmp_kv[topk_idx.clamp_min(0)].float()                        # [t, k, d]
-        s = torch.einsum("thd,tkd->thk", qf, ck).mul(scale)
+        s = row_scores(qf, ck).mul(scale)
         scores.append(s.masked_fill(~valid[:, None], float("-inf")))
     sink = sinks.float().view(1, h, 1).expand(t, h, 1)
     logits = torch.cat(scores + [sink], dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
-    o = torch.einsum("thw,tdw->thd", probs[..., :window], wk)
-    if cmp_kv is not None and topk_idx is None:
-        o = o + torch.einsum("thn,nd->thd", probs[..., window:-1], ck)
-    elif cmp_kv is not None:
-        o = o + torch.einsum("thk,tkd->thd", probs[..., window:-1], ck)
+    o = row_mix(probs[..., :window], wk)
+    if cmp_kv is not None:
+        o = o + row_mix(probs[..., window:-1], ck)
     return o.to(q.dtype)
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
-# Up to this many tokens (decode batches), and for experts up to this many weight elements (it
-# gathers the experts in use per call: cheap while they sit in cache), the routed experts run as
-# three batched matmuls instead of a loop over experts: one GEMM per expert either way, on rows
-# padded to a multiple of 8, so every row gets the same bits (tests/test_ops.py checks it).
+# Up to this many tokens (decode batches) the routed experts' row blocks share one buffer
+# (``_moe_blocks``: the loop's GEMM calls, fewer small ops); above, a loop over experts.
 MOE_BATCHED_TOKENS = 16
-MOE_BATCHED_MAX_EXPERT = 1 << 20
+
+
 def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
                 routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: ``s = sqrt(softplus(logits))``; experts = top-k of ``s + bias`` (bias picks only) or
@@ -468,6 +556,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                 w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
     """Routed experts ``sum_e w_e * (swiglu_clamp(x W1_e^T, x W3_e^T) W2_e^T)``, grouped by expert.
 
+    Every expert GEMM runs on blocks of exactly ``GEMM_ROW_MULTIPLE`` rows (batch invariance, see
+    there) and a token's k results are added in ascending expert order: a row's result does not
+    depend on the other tokens, nor on which of the two paths (``MOE_BATCHED_TOKENS``) ran.
+
     Args:
         x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
         act: activation quantisation of a converted checkpoint (``act_quant``) applied to x and to
@@ -483,8 +575,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     order = torch.argsort(flat, stable=True)
     tok = order // k
     wt = weights.reshape(-1)[order]
-    if 0 < T <= MOE_BATCHED_TOKENS and w1[0].numel() <= MOE_BATCHED_MAX_EXPERT:
-        return _moe_batched(x, ids, order, tok, wt, w1, w3, w2, limit, act)
+    if 0 < T <= MOE_BATCHED_TOKENS:
+        return _moe_blocks(x, flat[order], tok, wt, w1, w3, w2, limit, act, out)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     start = 0
     for e, c in enumerate(counts):
@@ -496,33 +588,36 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
         if act is not None:
             h = act_quant(h, act)
         y = _gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
-        out.index_add_(0, t_e, y)
+        out.index_add_(0, t_e, y)                                        # experts in ascending order
         start += c
     return out.to(x.dtype)
 
 
-def _moe_batched(x, ids, order, tok, wt, w1, w3, w2, limit, act):
-    """``moe_experts``' loop as batched matmuls. ``order``: the ``[T*k]`` slots sorted by expert
-    (stable), ``tok`` / ``wt`` their token and weight. Expert g's rows sit at ``[g, 0:c_g]`` of a
-    ``[U, M, H]`` block (U experts in use, M = the largest count rounded up to 8). Each token's k
-    results are then added in ascending expert order, the loop's order, without atomics."""
-    T, k = ids.shape
-    eid = ids.reshape(-1)[order]
+def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
+    """``moe_experts``' loop with every expert's rows in one zero-padded ``[rows, H]`` buffer of
+    ``GEMM_ROW_MULTIPLE``-row blocks: the loop's GEMM calls (``_gemm``'s), its other ops once.
+    ``eid`` / ``tok`` / ``wt``: the ``[T*k]`` slots sorted by expert (stable), their token and weight."""
+    R = GEMM_ROW_MULTIPLE
     used, counts = torch.unique_consecutive(eid, return_counts=True)
-    M = -(-int(counts.max()) // GEMM_ROW_MULTIPLE) * GEMM_ROW_MULTIPLE
+    blocks = (counts + R - 1) // R
+    first = torch.cumsum(blocks, 0) - blocks                             # each expert's first block
     group = torch.repeat_interleave(torch.arange(used.shape[0], device=x.device), counts)
     rank = torch.arange(eid.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[group]
-    xg = x.new_zeros(used.shape[0], M, x.shape[1])
-    xg[group, rank] = x[tok]
-    h = swiglu_clamp(torch.bmm(xg, w1[used].to(x.dtype).transpose(1, 2)),
-                     torch.bmm(xg, w3[used].to(x.dtype).transpose(1, 2)), limit)
-    if act is not None:
-        h = act_quant(h, act)
-    y = torch.bmm(h, w2[used].to(x.dtype).transpose(1, 2))[group, rank].float() * wt[:, None].float()
-    per_slot = torch.empty_like(y)
-    per_slot[order] = y                                                  # back to [T*k] slot order
-    per_slot = per_slot.view(T, k, -1).gather(1, ids.argsort(dim=-1, stable=True)[..., None].expand(-1, -1, y.shape[1]))
-    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-    for j in range(k):
-        out += per_slot[:, j]
+    row = first[group] * R + rank                                        # slot -> buffer row
+    n = int(blocks.sum())
+    xg = x.new_zeros(n * R, x.shape[1])
+    xg[row] = x[tok]
+    spans = [(e, b, b + nb) for e, b, nb in zip(used.tolist(), first.tolist(), blocks.tolist())]
+    gate, up, y = x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, x.shape[1])
+    for w, src, dst in ((w1, xg, gate), (w3, xg, up), (w2, None, y)):
+        if src is None:
+            src = swiglu_clamp(gate, up, limit)
+            src = src if act is None else act_quant(src, act)
+        src = src.view(n, R, -1)
+        for e, b0, b1 in spans:
+            wt_e = w[e].to(x.dtype).t()
+            for b in range(b0, b1):
+                torch.mm(src[b], wt_e, out=dst[b])
+    # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order
+    out.index_add_(0, tok, y.view(n * R, -1)[row].float() * wt[:, None].float())
     return out.to(x.dtype)
