@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.build import build_engine  # noqa: E402
 from engine.cache import state_tensors  # noqa: E402
 from engine.run_config import RunConfig  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from server.launcher import LocalPD, log_tail  # noqa: E402
 
 TARGET_FIXED_S = 0.010          # the target: TTFT overhead <= 10 ms + state bytes / bandwidth

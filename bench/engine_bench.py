@@ -160,7 +160,7 @@ def _engine_ready(model, batch: int, prompt_len: int, new_tokens: int, seed: int
     """An ``LLMEngine`` with ``batch`` requests of ``prompt_len`` random tokens, all prefilled (each
     has its first token), greedy, ``new_tokens`` tokens each at most; step history cleared."""
     from engine.llm_engine import LLMEngine
-    from engine.sampling import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     max_len = prompt_len + new_tokens + 8
     blocks = batch * (math.ceil(max_len / (128 * 4)) + 1)

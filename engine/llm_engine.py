@@ -18,7 +18,8 @@ from engine.cache import (CacheConfig, CacheFullError, Geometry, PagedCache, loa
                           state_tensors)
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.transformer import Transformer
-from engine.sampling import Sampled, SampleRow, SamplingParams, sample
+from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
+from engine.core.sampler import sample
 from engine.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
 

@@ -28,7 +28,7 @@ from engine.build import build_engine
 from engine.config import ConfigError
 from engine.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 from engine.run_config import RunConfig
-from engine.sampling import SamplingError, SamplingParams
+from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer, TokenizerError
 from engine.weights import CheckpointError
 

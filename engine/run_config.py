@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, ModelArgs, read_text_file
-from engine.ops import validate_kernel_config
+from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")

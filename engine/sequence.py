@@ -5,7 +5,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling import Sampled, SamplingParams
+from engine.core.sampling_params import Sampled, SamplingParams
 
 
 class SeqStatus(enum.Enum):

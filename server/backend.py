@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.sampling import Sampled, SamplingParams
+from engine.core.sampling_params import Sampled, SamplingParams
 
 
 class BackendError(RuntimeError):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import deepseek_recipe as dr
 
-from engine.sampling import MAX_LOGPROBS
+from engine.core.sampling_params import MAX_LOGPROBS
 from server.dsformat import DeepSeekFormat
 from server.jobs import (Job, Piece, Sample, check_common, check_logprobs, check_stops, refuse_not_done, sample_seed,
                          sampling_params, sse, usage)

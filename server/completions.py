@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling import MAX_LOGPROBS, Sampled
+from engine.core.sampling_params import MAX_LOGPROBS, Sampled
 from server.backend import TokenEvent
 from server.jobs import (Job, Piece, Sample, check_common, check_stops, refuse_not_done, sample_seed, sampling_params,
                          sse, usage)

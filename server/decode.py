@@ -15,7 +15,7 @@ from collections import OrderedDict, defaultdict
 
 from engine.cache import CacheFullError
 from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling import SamplingError
+from engine.core.sampling_params import SamplingError
 from engine.sequence import RequestOutput
 from kvtransfer.assembler import TransferTable
 from kvtransfer.transport import make_receiver

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.sampling import SamplingError, SamplingParams
+from engine.core.sampling_params import SamplingError, SamplingParams
 from server.backend import TokenEvent
 from server.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError
 

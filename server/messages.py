@@ -20,7 +20,7 @@ import dataclasses
 import msgpack
 import zmq
 
-from engine.sampling import Sampled, SamplingParams
+from engine.core.sampling_params import Sampled, SamplingParams
 
 MAX_MESSAGE_BYTES = 64 << 20
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.cache import state_tensors
 from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling import SamplingError
+from engine.core.sampling_params import SamplingError
 from engine.sequence import FinishReason, RequestOutput
 from kvtransfer.pusher import Pusher
 from kvtransfer.transport import make_sender

@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling import MAX_LOGPROBS
+from engine.core.sampling_params import MAX_LOGPROBS
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 1024

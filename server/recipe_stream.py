@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import deepseek_recipe as dr
 
-from engine.sampling import Sampled
+from engine.core.sampling_params import Sampled
 from server.backend import TokenEvent
 from server.dsformat import finish_reason
 from server.jobs import Piece

@@ -42,7 +42,7 @@ def assert_completions_match(pd: LocalPD, reference, cases, max_tokens: int) -> 
     temperature, seed) carry the token ids ``reference`` (an in-process engine) gives each alone."""
     from openai import OpenAI
 
-    from engine.sampling import SamplingParams
+    from engine.core.sampling_params import SamplingParams
     client = OpenAI(base_url=pd.base_url + "/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
 

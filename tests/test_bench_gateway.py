@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import bench_gateway as bg
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tiny import copy_tokenizer
 from server.backend import GenRequest

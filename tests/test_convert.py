@@ -24,7 +24,7 @@ from engine.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.qscheme import QUANT_TYPES
 from engine.runner import DecodeRunner, ExecConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tiny import PRESETS, make_tensors, write_shards
 from engine.weights import dequant_linear, load_model, scan_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 
 from engine.cache import CacheConfig
 from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.scheduler import SchedulerLimits
 from engine.sequence import FinishReason
 from engine.weights import load_model

@@ -38,7 +38,7 @@ import deepseek_recipe as dr
 import httpx
 import pytest
 
-from engine.sampling import Sampled
+from engine.core.sampling_params import Sampled
 from engine.tokenizer import Tokenizer
 from serve_util import ScriptedBackend, reasoning_from_ids, set_reasoning_usage
 from server.backend import TokenEvent

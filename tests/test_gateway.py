@@ -20,7 +20,7 @@ import pytest
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from server.backend import BackendError, TokenEvent
 from server.completions import TokenStrings, prepare_completion

@@ -14,7 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.runner import DecodeRunner, ExecConfig, buckets
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 
 MAX_LEN = 1024

@@ -13,7 +13,7 @@ from engine.build import build_engine
 from engine.dataset import build_prompt, load_dataset
 from engine.offline import chat_encoding, encode_sample
 from engine.run_config import RunConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ import openai
 import pytest
 import torch
 
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from pd_util import start_pd, wait_idle
 from serve_util import reasoning_from_ids, set_reasoning_usage

@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
 from server.launcher import log_tail

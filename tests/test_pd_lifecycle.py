@@ -19,7 +19,7 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
 from server.launcher import free_port, log_tail

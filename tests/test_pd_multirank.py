@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from tests.pd_util import assert_completions_match, rand_prompt, start_pd, wait_idle
 
 PREFILL2 = ["--config", "configs/tiny-flash-2rank-prefill.yaml"]

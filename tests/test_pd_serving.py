@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.launcher import LocalPD, log_tail
 
 CONFIG = "configs/tiny-flash.yaml"

@@ -7,7 +7,7 @@ import torch
 
 from engine.cache import CacheFullError, expected_shapes
 from engine.llm_engine import LLMEngine, RequestError
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 
 

@@ -14,7 +14,7 @@ from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
 from engine.parallel.mirror import Mirror, cache_layout, follow, sequence_state_tensors
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from server.launcher import free_port
 from server.ranks import RankError, rank_env
 
@@ -324,7 +324,7 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     readmitted (on the rank with room) in the step that preempted it."""
     from engine.cache import PagedCache
     from engine.parallel.dp_cache import DPCache
-    from engine.sampling import SamplingParams
+    from engine.core.sampling_params import SamplingParams
     from engine.scheduler import Scheduler, SchedulerLimits
     from engine.sequence import Sequence, SeqStatus
     c = reference.cache

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SampleRow, SamplingError, SamplingParams, position_seed, sample
+from engine.core.sampling_params import SampleRow, SamplingError, SamplingParams, position_seed
+from engine.core.sampler import sample
 
 
 def _row(params, position=10, prompt=(), output=()):

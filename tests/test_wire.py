@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.sampling import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
 

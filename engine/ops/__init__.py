@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
+from engine.kernel_config import IMPLS, KERNEL_CONFIG_KEY, OP_NAMES, validate_kernel_config
 from engine.ops import reference
 
 
@@ -41,33 +42,8 @@ class Ops:
 
 REFERENCE = Ops(**{f.name: getattr(reference, f.name) for f in fields(Ops)})
 
-OP_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Ops))
-KERNEL_CONFIG_KEY = "model_config.custom_params.kernel_config"
-IMPLS = ("native", "npu", "ascendc")   # "ascendc": upstream's name for the kernel impl (= "npu")
-
-
-def validate_kernel_config(kernel_config: Mapping[str, str] | None) -> dict[str, str]:
-    """Check the YAML ``model_config.custom_params.kernel_config`` mapping ``{op_name: impl}``.
-
-    ``op_name`` is a field of ``Ops``; ``impl`` is "native" (force the reference op) or "npu" /
-    "ascendc" (upstream's spelling; use the platform kernel where one exists, the default). Returns a plain dict copy ({} for None).
-
-    Raises:
-        ValueError: not a mapping, an unknown op name (the message names the key and lists the
-            known ops) or an impl other than "native" / "npu" / "ascendc" (the message names the key).
-    """
-    if kernel_config is None:
-        return {}
-    if not isinstance(kernel_config, Mapping):
-        raise ValueError(f"{KERNEL_CONFIG_KEY}: must be a mapping of op name to impl, "
-                         f"got {type(kernel_config).__name__}")
-    for op, impl in kernel_config.items():
-        if op not in OP_NAMES:
-            raise ValueError(f"{KERNEL_CONFIG_KEY}.{op}: unknown op {op!r}; known ops: {', '.join(OP_NAMES)}")
-        if impl not in IMPLS:
-            raise ValueError(f"{KERNEL_CONFIG_KEY}.{op}: impl {impl!r} is not one of "
-                             f"{', '.join(repr(i) for i in IMPLS)}")
-    return dict(kernel_config)
+if tuple(f.name for f in fields(Ops)) != OP_NAMES:
+    raise ImportError("engine.kernel_config.OP_NAMES must list the fields of engine.ops.Ops, in order")
 
 
 def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
