@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import engine.ops.npu as npu
+import engine.ops.npu.runtime as npu_runtime
 import engine.ops.reference as R
 from engine.ops import IMPLS, OP_NAMES, REFERENCE, Ops, ops_for, validate_kernel_config
 
@@ -27,7 +28,7 @@ KEY = "model_config.custom_params.kernel_config"
 @pytest.fixture
 def fresh_log(monkeypatch, caplog):
     """An empty log-once set and INFO capture on engine.ops.npu."""
-    monkeypatch.setattr(npu, "_LOGGED", set())
+    monkeypatch.setattr(npu_runtime, "_LOGGED", set())
     caplog.set_level(logging.INFO, logger="engine.ops.npu")
     return caplog
 
@@ -86,7 +87,7 @@ def test_ops_for_unknown_kind():
 @pytest.mark.skipif(HAS_TORCH_NPU, reason="torch_npu is installed here")
 def test_npu_ops_without_torch_npu_is_a_clear_import_error():
     with pytest.raises(npu.NpuUnavailableError) as e:
-        npu.npu_ops()
+        npu.npu_ops(REFERENCE)
     assert isinstance(e.value, ImportError)
     assert "torch_npu is required for --device npu" in str(e.value)
     with pytest.raises(ImportError, match="torch_npu is required for --device npu"):
