@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import math
 import typing
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, ModelArgs, read_text_file
+from engine.config_checks import check_dsv4_settings, choice, fail, field_hints, in_range, positive, show, type_name
 from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -56,13 +56,13 @@ class CustomParams:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "moe_chunk_max_len")
+        positive(self, "moe_chunk_max_len")
         try:
             validate_kernel_config(self.kernel_config)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        _positive(self, "num_hidden_layers", optional=True)
-        _positive(self, "max_position_embeddings", optional=True)
+        positive(self, "num_hidden_layers", optional=True)
+        positive(self, "max_position_embeddings", optional=True)
 
 
 #: The served model name when a run config names none: the name the shipped configs, the gateway,
@@ -98,13 +98,13 @@ class ModelConfig:
         if isinstance(self.platform_version, int) and not isinstance(self.platform_version, bool):
             object.__setattr__(self, "platform_version", str(self.platform_version))   # YAML `950`
         _check_fields(self)
-        _choice(self, "dtype", DTYPES)
-        _choice(self, "exe_mode", EXE_MODES)
+        choice(self, "dtype", DTYPES)
+        choice(self, "exe_mode", EXE_MODES)
         if self.platform_version is not None:
-            _choice(self, "platform_version", PLATFORMS)
-        _in_range(self, "next_n", 0, MAX_NEXT_N)
+            choice(self, "platform_version", PLATFORMS)
+        in_range(self, "next_n", 0, MAX_NEXT_N)
         if self.enable_static_kernel and self.exe_mode != "npugraph_ex":
-            _fail(self, "enable_static_kernel", f"needs exe_mode 'npugraph_ex', got exe_mode {self.exe_mode!r}")
+            fail(self, "enable_static_kernel", f"needs exe_mode 'npugraph_ex', got exe_mode {self.exe_mode!r}")
 
 
 @dataclass(frozen=True)
@@ -123,16 +123,16 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _choice(self, "dataset", DATASETS)
-        _positive(self, "input_truncated_len")
+        choice(self, "dataset", DATASETS)
+        positive(self, "input_truncated_len")
         if self.temperature < 0:
-            _fail(self, "temperature", f"must be >= 0, got {self.temperature!r}")
+            fail(self, "temperature", f"must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            _fail(self, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+            fail(self, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         if self.top_k < -1:
-            _fail(self, "top_k", f"must be >= -1 (0 or -1 disable it), got {self.top_k!r}")
+            fail(self, "top_k", f"must be >= -1 (0 or -1 disable it), got {self.top_k!r}")
         if self.seed is not None and self.seed < 0:
-            _fail(self, "seed", f"must be a non-negative integer or null, got {self.seed!r}")
+            fail(self, "seed", f"must be a non-negative integer or null, got {self.seed!r}")
 
 
 _TP_KEYS = ("attn_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size", "dense_tp_size",
@@ -158,16 +158,16 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "world_size")
+        positive(self, "world_size")
         for name in (*_TP_KEYS, "cp_size", "offline_prefill_dp_group_size"):
-            _positive(self, name)
+            positive(self, name)
             if self.world_size % getattr(self, name):
-                _fail(self, name, f"must divide world_size ({self.world_size}), got {getattr(self, name)}")
+                fail(self, name, f"must divide world_size ({self.world_size}), got {getattr(self, name)}")
         if self.cp_size > 1:
             if self.cp_size != self.world_size:
-                _fail(self, "cp_size", f"must be 1 or world_size ({self.world_size}), got {self.cp_size}")
+                fail(self, "cp_size", f"must be 1 or world_size ({self.world_size}), got {self.cp_size}")
             if self.attn_tp_size != 1:
-                _fail(self, "attn_tp_size", f"must be 1 with context parallelism (cp_size {self.cp_size}), "
+                fail(self, "attn_tp_size", f"must be 1 with context parallelism (cp_size {self.cp_size}), "
                                             f"got {self.attn_tp_size}")
 
     # ---- derived (upstream ParallelConfig.from_dict) ---------------------------------------
@@ -209,23 +209,23 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "batch_size")
-        _positive(self, "max_new_tokens")
+        positive(self, "batch_size")
+        positive(self, "max_new_tokens")
         if self.max_prefill_tokens < 0:
-            _fail(self, "max_prefill_tokens", f"must be >= 0 (0 = derived), got {self.max_prefill_tokens}")
+            fail(self, "max_prefill_tokens", f"must be >= 0 (0 = derived), got {self.max_prefill_tokens}")
         if not 0 < self.mem_fraction_static <= 1:
-            _fail(self, "mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static!r}")
+            fail(self, "mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             what = "a positive integer" if self.block_size <= 0 else "a power of two"
-            _fail(self, "block_size", f"must be {what}, got {self.block_size}")
+            fail(self, "block_size", f"must be {what}, got {self.block_size}")
         if self.num_reserved_decode_tokens < 0:
-            _fail(self, "num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}")
+            fail(self, "num_reserved_decode_tokens", f"must be >= 0, got {self.num_reserved_decode_tokens}")
         if self.cp_mini_batch != -1 and self.cp_mini_batch < 1:
-            _fail(self, "cp_mini_batch", f"must be -1 (no limit) or a positive integer, got {self.cp_mini_batch}")
+            fail(self, "cp_mini_batch", f"must be -1 (no limit) or a positive integer, got {self.cp_mini_batch}")
         if not self.cpu_memory_gb > 0:
-            _fail(self, "cpu_memory_gb", f"must be > 0, got {self.cpu_memory_gb!r}")
-        _positive(self, "num_kv_blocks", optional=True)
-        _positive(self, "max_model_len", optional=True)
+            fail(self, "cpu_memory_gb", f"must be > 0, got {self.cpu_memory_gb!r}")
+        positive(self, "num_kv_blocks", optional=True)
+        positive(self, "max_model_len", optional=True)
 
     @property
     def cpu_memory_bytes(self) -> int:
@@ -254,7 +254,7 @@ class RunConfig:
         if s.batch_size % p.attn_dp_size:
             raise ConfigError(f"scheduler_config.batch_size: must be a multiple of the attention-DP size "
                               f"{p.attn_dp_size} (world_size / attn_tp_size), got {s.batch_size}")
-        _check_dsv4_settings(self)
+        check_dsv4_settings(self)
 
     # ---- derived (upstream InferenceConfig.from_dict) --------------------------------------
     @property
@@ -330,7 +330,7 @@ class RunConfig:
         """
         if not isinstance(raw, Mapping):
             raise ConfigError(f"top level: must be a mapping of sections ({', '.join(_SECTIONS)}), "
-                              f"got {_tname(raw)}")
+                              f"got {type_name(raw)}")
         kw = {}
         for key, value in raw.items():
             if key == "disagg_config":
@@ -346,62 +346,23 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-# ---- DeepSeek-V4 check_model_settings --------------------------------------------------------
-def _check_dsv4_settings(c: RunConfig) -> None:
-    """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
-    # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
-    # the same captured step as npugraph_ex elsewhere), see engine.runner
-    m, cp = c.model_config, c.model_config.custom_params
-    if c.parallel_config.attn_tp_size != 1:
-        raise ConfigError(f"parallel_config.attn_tp_size: DeepSeek-V4 needs 1 (attention is data-parallel), "
-                          f"got {c.parallel_config.attn_tp_size}")
-    if m.exe_mode == "eager":
-        for path, on in (("model_config.enable_cache_compile", m.enable_cache_compile),
-                         ("model_config.custom_params.enable_superkernel", cp.enable_superkernel)):
-            if on:
-                raise ConfigError(f"{path}: needs a graph exe_mode (npugraph_ex), got exe_mode 'eager'")
-    if not m.with_ckpt and not m.force_eplb:
-        raise ConfigError("model_config.force_eplb: must be true with dummy weights (with_ckpt: false)")
-    if cp.enable_limit_core:
-        if not cp.enable_multi_streams:
-            raise ConfigError("model_config.custom_params.enable_limit_core: needs "
-                              "model_config.custom_params.enable_multi_streams: true")
-        if cp.enable_pypto:
-            raise ConfigError("model_config.custom_params.enable_limit_core: cannot be combined with "
-                              "model_config.custom_params.enable_pypto")
-    for name in ("enable_limit_core", "enable_pypto"):
-        if getattr(cp, name) and m.platform_version not in (None, "A3"):
-            raise ConfigError(f"model_config.custom_params.{name}: A3 only, got platform_version "
-                              f"{m.platform_version!r}")
-    if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
-        raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
-                          f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")
-
-
 # ---- field helpers ---------------------------------------------------------------------------
 def _section_from_dict(cls: type, raw: Any, path: str) -> Any:
     """One section (or custom_params) from its mapping; ``None`` (an empty YAML section) = defaults."""
     if raw is None:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: must be a mapping, got {_tname(raw)}")
-    hints = _hints(cls)
+        raise ConfigError(f"{path}: must be a mapping, got {type_name(raw)}")
+    hints = field_hints(cls)
     for key in raw:
         if key not in hints:
             raise ConfigError(f"{path}.{key}: unknown key{_suggest(key, hints, section=path)}")
     return cls(**raw)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    """Field name -> resolved annotation, for the dataclass fields only."""
-    resolved = typing.get_type_hints(cls)
-    return {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
-
-
 def _check_fields(obj: Any) -> None:
     """Type-check (and normalise: int -> float, mapping -> section) every field of a section."""
-    for name, hint in _hints(type(obj)).items():
+    for name, hint in field_hints(type(obj)).items():
         value = getattr(obj, name)
         new = _coerce(f"{obj._PATH}.{name}", value, hint)
         if new is not value:
@@ -418,60 +379,36 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
         return value if isinstance(value, hint) else _section_from_dict(hint, value, path)
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: must be true or false, got {_show(value)}")
+            raise ConfigError(f"{path}: must be true or false, got {show(value)}")
     elif hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: must be an integer, got {_show(value)}")
+            raise ConfigError(f"{path}: must be an integer, got {show(value)}")
     elif hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path}: must be a finite number, got {_show(value)}")
+            raise ConfigError(f"{path}: must be a finite number, got {show(value)}")
         return float(value) if type(value) is not float else value
     elif hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: must be a string, got {_show(value)}")
+            raise ConfigError(f"{path}: must be a string, got {show(value)}")
     elif typing.get_origin(hint) is dict:                   # dict[str, str]
         if value is None:
             return {}
         if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
                                                      for k, v in value.items()):
-            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {_show(value)}")
+            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {show(value)}")
         return dict(value) if type(value) is not dict else value
     else:  # pragma: no cover - a field type this module does not know
         raise TypeError(f"{path}: unsupported field type {hint!r}")
     return value
 
 
-def _fail(obj: Any, name: str, msg: str) -> typing.NoReturn:
-    raise ConfigError(f"{obj._PATH}.{name}: {msg}")
-
-
-def _positive(obj: Any, name: str, optional: bool = False) -> None:
-    v = getattr(obj, name)
-    if not (optional and v is None) and v <= 0:
-        _fail(obj, name, f"must be a positive integer{' or null' if optional else ''}, got {v}")
-
-
-def _in_range(obj: Any, name: str, lo: int, hi: int) -> None:
-    v = getattr(obj, name)
-    if not lo <= v <= hi:
-        _fail(obj, name, f"must be in [{lo}, {hi}], got {v}")
-
-
-def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
-    v = getattr(obj, name)
-    if v not in choices:
-        close = difflib.get_close_matches(v, choices, n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        _fail(obj, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint}")
-
-
 def _suggest(key: Any, known: Any, section: str | None = None, top_level: bool = False) -> str:
     """' (did you mean ...?)' for an unknown key: the same key in another section, else a close name."""
     if not isinstance(key, str):
-        return f" (keys must be strings, got {_tname(key)})"
+        return f" (keys must be strings, got {type_name(key)})"
     if top_level or section in _SECTIONS:   # a key put in the wrong section
-        homes = [s for s, cls in _SECTIONS.items() if s != section and key in _hints(cls)]
-        if key in _hints(CustomParams):
+        homes = [s for s, cls in _SECTIONS.items() if s != section and key in field_hints(cls)]
+        if key in field_hints(CustomParams):
             homes.append(CustomParams._PATH)
         if homes:
             return f" (did you mean {homes[0]}.{key}?)"
@@ -479,11 +416,3 @@ def _suggest(key: Any, known: Any, section: str | None = None, top_level: bool =
     if close:
         return f" (did you mean {close[0]!r}?)"
     return f"; known: {', '.join(sorted(known))}"
-
-
-def _tname(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _show(v: Any) -> str:
-    return f"{v!r} ({_tname(v)})"

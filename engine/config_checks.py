@@ -1,0 +1,93 @@
+"""Value checks shared by the YAML run config's sections, and DeepSeek-V4's own combination checks.
+
+Every failure is a ``ConfigError`` whose message starts with the full key path
+(``scheduler_config.block_size: ...``), as ``engine.run_config`` promises.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from typing import TYPE_CHECKING, Any
+
+from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from engine.run_config import RunConfig
+
+
+@functools.cache
+def field_hints(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation, for the dataclass fields only."""
+    resolved = typing.get_type_hints(cls)
+    return {f.name: resolved[f.name] for f in dataclasses.fields(cls)}
+
+
+def fail(obj: Any, name: str, msg: str) -> typing.NoReturn:
+    """Raise ConfigError for field ``name`` of section ``obj`` (message prefixed by the key path)."""
+    raise ConfigError(f"{obj._PATH}.{name}: {msg}")
+
+
+def positive(obj: Any, name: str, optional: bool = False) -> None:
+    """The field must be a positive integer (or None when ``optional``). Raises ConfigError."""
+    v = getattr(obj, name)
+    if not (optional and v is None) and v <= 0:
+        fail(obj, name, f"must be a positive integer{' or null' if optional else ''}, got {v}")
+
+
+def in_range(obj: Any, name: str, lo: int, hi: int) -> None:
+    """The field must lie in [lo, hi]. Raises ConfigError."""
+    v = getattr(obj, name)
+    if not lo <= v <= hi:
+        fail(obj, name, f"must be in [{lo}, {hi}], got {v}")
+
+
+def choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    """The field must be one of ``choices`` (with a "did you mean" hint). Raises ConfigError."""
+    v = getattr(obj, name)
+    if v not in choices:
+        close = difflib.get_close_matches(v, choices, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fail(obj, name, f"must be one of {', '.join(map(repr, choices))}, got {v!r}{hint}")
+
+
+def type_name(v: Any) -> str:
+    """The YAML-facing type name of a value ("null" for None)."""
+    return "null" if v is None else type(v).__name__
+
+
+def show(v: Any) -> str:
+    """A value and its type for an error message."""
+    return f"{v!r} ({type_name(v)})"
+
+
+def check_dsv4_settings(c: RunConfig) -> None:
+    """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
+    # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
+    # the same captured step as npugraph_ex elsewhere), see engine.runner
+    m, cp = c.model_config, c.model_config.custom_params
+    if c.parallel_config.attn_tp_size != 1:
+        raise ConfigError(f"parallel_config.attn_tp_size: DeepSeek-V4 needs 1 (attention is data-parallel), "
+                          f"got {c.parallel_config.attn_tp_size}")
+    if m.exe_mode == "eager":
+        for path, on in (("model_config.enable_cache_compile", m.enable_cache_compile),
+                         ("model_config.custom_params.enable_superkernel", cp.enable_superkernel)):
+            if on:
+                raise ConfigError(f"{path}: needs a graph exe_mode (npugraph_ex), got exe_mode 'eager'")
+    if not m.with_ckpt and not m.force_eplb:
+        raise ConfigError("model_config.force_eplb: must be true with dummy weights (with_ckpt: false)")
+    if cp.enable_limit_core:
+        if not cp.enable_multi_streams:
+            raise ConfigError("model_config.custom_params.enable_limit_core: needs "
+                              "model_config.custom_params.enable_multi_streams: true")
+        if cp.enable_pypto:
+            raise ConfigError("model_config.custom_params.enable_limit_core: cannot be combined with "
+                              "model_config.custom_params.enable_pypto")
+    for name in ("enable_limit_core", "enable_pypto"):
+        if getattr(cp, name) and m.platform_version not in (None, "A3"):
+            raise ConfigError(f"model_config.custom_params.{name}: A3 only, got platform_version "
+                              f"{m.platform_version!r}")
+    if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
+        raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
+                          f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")
