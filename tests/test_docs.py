@@ -1,7 +1,7 @@
 """The README is the front door: its first lines keep the two commands a newcomer runs (the
 quickstart and CI's test command, read from .ci/run), it links every docs/ page, and every relative
-link in README.md and docs/*.md points at a file that exists, without an #anchor (anchors break
-silently when a heading is reworded)."""
+link in README.md, docs/*.md and deploy/*.md points at a file that exists, without an #anchor
+(anchors break silently when a heading is reworded)."""
 from __future__ import annotations
 
 import re
@@ -22,6 +22,7 @@ def _root() -> Path:
 ROOT = _root()
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
+OTHER = sorted((ROOT / "deploy").glob("*.md"))     # link into docs/ too
 FIRST_LINES = 10          # the two commands must be seen before any prose
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _CODE = re.compile(r"`[^`\n]*`")
@@ -78,7 +79,7 @@ def test_readme_links_every_docs_page():
     assert not missing, f"README.md does not link {missing}"
 
 
-@pytest.mark.parametrize("md", [README, *PAGES], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("md", [README, *PAGES, *OTHER], ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve_without_anchors(md: Path):
     bad = []
     for target in _links(md):
