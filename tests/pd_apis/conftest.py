@@ -18,7 +18,7 @@ from .common import KEY, Recipe, generation_tokens
 
 @pytest.fixture(scope="package")
 def ckpt(tiny_ckpt) -> str:
-    """The tiny flash checkpoint (seed 1), as tests/conftest.py's, for the package: the stack serving it is."""
+    """The tiny flash checkpoint (seed 1, as tests/conftest.py's) at package scope: the one stack uses it."""
     return str(tiny_ckpt("flash", 1))
 
 
