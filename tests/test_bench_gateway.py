@@ -1,5 +1,6 @@
-"""``dsv4-bench gateway`` (bench.bench_gateway): the replayed reply, the fake backend, and a tiny real
-run (a gateway child process, 1 and 4 streams of 50 tokens) checked stream by stream."""
+"""``dsv4-bench gateway`` (bench.bench_gateway; the replay: bench.gateway_replay): the replayed reply,
+the fake backend, and a tiny real run (a gateway child process, 1 and 4 streams of 50 tokens) checked
+stream by stream."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_gateway as bg
+from bench import gateway_replay as bg
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tiny import copy_tokenizer
