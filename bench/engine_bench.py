@@ -64,7 +64,8 @@ def synthetic_paged(model, context: int, generator: torch.Generator, headroom: i
     """A ``PagedCache`` holding one request (id 0) as after prefilling ``context`` tokens, random
     values: every pool filled with unit-scale normals (the entries, ring and compressor rows a
     real prefill writes are all in there; the rest is never read). Room for ``headroom`` more."""
-    from engine.cache import CacheConfig, Geometry, PagedCache
+    from engine.core.block_manager import CacheConfig, Geometry
+    from engine.core.kv_cache import PagedCache
     from engine.config import CSA_RATIO
 
     g = Geometry.of(model.args, 128)
@@ -77,7 +78,7 @@ def synthetic_paged(model, context: int, generator: torch.Generator, headroom: i
     for t in pools:
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     if context < CSA_RATIO:                         # no CSA window closed yet: overlap weights still 0
-        cache._reset_state(held.state_slot)
+        cache.reset_slot(held.state_slot)
     return cache
 
 

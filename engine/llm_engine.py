@@ -1,6 +1,6 @@
 """The serving engine of one worker: requests in, tokens out, many requests per forward.
 
-``LLMEngine`` = paged state pools (``engine.cache``) + scheduler (``engine.scheduler``) + the model
+``LLMEngine`` = paged state pools (``engine.core.kv_cache``) + scheduler (``engine.core.scheduler``) + the model
 + sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
 what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
 """
@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache import (CacheConfig, CacheFullError, Geometry, PagedCache, load_state_tensors, plan_cache, pool_bytes,
-                          state_tensors)
+from engine.core.block_manager import CacheConfig, CacheFullError, Geometry, plan_cache, pool_bytes
+from engine.core.kv_cache import PagedCache
+from engine.core.pd_state import load_state_tensors, state_tensors
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.transformer import Transformer
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
 from engine.core.sampler import sample
-from engine.scheduler import Scheduler, SchedulerLimits
+from engine.core.scheduler import Scheduler, SchedulerLimits
 from engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
@@ -118,13 +119,13 @@ class LLMEngine:
         else:
             cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
         if max_model_len is None:
-            max_model_len = min(a.max_position_embeddings, _capacity(Geometry.of(a, block_size), cfg))
+            max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
         return cls(model, cfg, limits, (a.eos_token_id,) if eos_ids is None else eos_ids)
 
     def max_tokens_per_request(self) -> int:
         """Longest request (tokens) the pools can hold on their own."""
-        return min(_capacity(self.cache.geometry, self.cache.config), self.model.args.max_position_embeddings)
+        return min(self.cache.geometry.capacity(self.cache.config), self.model.args.max_position_embeddings)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -164,7 +165,7 @@ class LLMEngine:
 
     # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
     def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
-        """A held request (``hold_state``, finished) and its state tensors (``cache.state_tensors``
+        """A held request (``hold_state``, finished) and its state tensors (``state_tensors``
         at L = prompt length: the sampled first token is not yet in the state). Raises KeyError."""
         seq = self.held[request_id]
         return seq, state_tensors(self.cache, request_id, seq.num_computed)
@@ -198,7 +199,7 @@ class LLMEngine:
         self.scheduler.num_reserved = len(self.reserved)
 
     def load_state(self, request_id: str, tensors: dict[str, torch.Tensor], layers: list[int] | None = None) -> None:
-        """Write (some layers of) a reserved request's imported state (``cache.state_tensors`` names).
+        """Write (some layers of) a reserved request's imported state (``state_tensors`` names).
 
         Raises:
             KeyError: not reserved. RequestError: tensors that do not match this model (``state``);
@@ -427,11 +428,3 @@ class LLMEngine:
             self.step()
         return [seqs[r] for r in ids]
 
-
-def _capacity(g: Geometry, cfg: CacheConfig) -> int:
-    """Tokens one request can hold given the growing pools' block counts."""
-    cap = []
-    for p, m in (("c4", CSA_RATIO), ("c128", HCA_RATIO)):
-        if g.blocks_needed(p, 1 << 40):
-            cap.append((cfg.num_blocks.get(p, 0) * g.block_size + 1) * m - 1)
-    return min(cap) if cap else 1 << 40

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import OrderedDict, defaultdict
 
-from engine.cache import CacheFullError
+from engine.core.block_manager import CacheFullError
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.sequence import RequestOutput

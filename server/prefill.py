@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from engine.cache import state_tensors
+from engine.core.pd_state import state_tensors
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.sequence import FinishReason, RequestOutput

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheConfig, PagedCache
+from engine.core.block_manager import CacheConfig
+from engine.core.kv_cache import PagedCache
 from engine.weights import load_model
 
 # prompt lengths: a decode at position p = length. Covers p < window, the first CSA entry (p = 3),

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from engine.cache import CacheConfig
+from engine.core.block_manager import CacheConfig
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
-from engine.scheduler import SchedulerLimits
+from engine.core.scheduler import SchedulerLimits
 from engine.sequence import FinishReason
 from engine.weights import load_model
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import PagedCache, PagedSequenceState
+from engine.core.kv_cache import PagedCache
+from engine.core.paged_state import PagedSequenceState
 from engine.config import CSA_RATIO
 from engine.ops import reference
 from engine.ops.reference import _gemm, _topk_low_index, row_mix, row_scores, weighted_relu_sum

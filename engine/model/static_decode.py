@@ -18,7 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from engine.cache import PagedCache
+from engine.core.kv_cache import PagedCache
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
