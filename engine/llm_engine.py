@@ -22,7 +22,7 @@ from engine.model.transformer import Transformer
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
 from engine.core.sampler import sample
 from engine.core.scheduler import Scheduler, SchedulerLimits
-from engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -384,12 +384,8 @@ class LLMEngine:
         if s.first_token_time is None:
             s.first_token_time = now
         s.token_times.append(now)
-        p, tok = s.params, smp.token_id
-        reason = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif len(s.output_ids) >= p.max_new_tokens or s.num_tokens >= self.limits.max_model_len:
-            reason = FinishReason.LENGTH
+        tok = smp.token_id
+        reason = finish_reason(tok, len(s.output_ids), s.num_tokens, s.params, self.eos_ids, self.limits.max_model_len)
         if reason is not None:
             self.scheduler.finish(s, reason, keep_state=s.hold_state)
             del self.seqs[s.seq_id]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from engine.core.pd_state import state_tensors
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
-from engine.sequence import FinishReason, RequestOutput
+from engine.core.request import RequestOutput, finish_reason
 from kvtransfer.pusher import Pusher
 from kvtransfer.transport import make_sender
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
@@ -132,11 +132,7 @@ class PrefillWorker(Worker):
     def _first(self, out: RequestOutput, job: _Job) -> None:
         rid, tok, p = out.request_id, out.new_token_ids[0], job.params
         e = self.engine
-        reason = None
-        if (tok in e.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif p.max_new_tokens == 1 or job.num_tokens + 1 >= e.limits.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = finish_reason(tok, 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
                                   "reason": reason.value if reason else None, "queue_s": out.queue_time_s})

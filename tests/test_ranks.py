@@ -327,7 +327,7 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     from engine.parallel.dp_cache import DPCache
     from engine.core.sampling_params import SamplingParams
     from engine.core.scheduler import Scheduler, SchedulerLimits
-    from engine.sequence import Sequence, SeqStatus
+    from engine.core.request import Sequence, SeqStatus
     c = reference.cache
     g = c.geometry
     # s0 and s2 (rank 0): L tokens, at the end of their 2nd c4 block, filling rank 0's pool; s1

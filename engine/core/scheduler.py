@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
-from engine.sequence import FinishReason, Sequence, SeqStatus
+from engine.core.request import FinishReason, Sequence, SeqStatus
 
 
 @dataclass(frozen=True)

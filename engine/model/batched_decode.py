@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.kv_cache import PagedCache
-from engine.core.paged_state import PagedSequenceState
+from engine.core.paged_state import PagedSequenceState, slot_mapping
 from engine.config import CSA_RATIO
 from engine.ops import reference
 from engine.ops.reference import _gemm, _topk_low_index, row_mix, row_scores, weighted_relu_sum
@@ -81,12 +81,8 @@ class DecodeRows:
                 tables[p] = t
         return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev), positions,
                    pos, torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
-                   _rows(win, bs, wpos % ring), wpos >= 0, _rows(win, bs, (positions % ring)[:, None])[:, 0], tables)
-
-
-def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
-    """Slot mapping per row: table ``[B, nb]``, logical indices ``idx [B, n]`` -> flat pool rows."""
-    return table.gather(1, idx // bs) * bs + idx % bs
+                   slot_mapping(win, bs, wpos % ring), wpos >= 0,
+                   slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], tables)
 
 
 def _groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -134,7 +130,7 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     e = dec.positions[c] // m
     cos, sin = comp.rope.cos_sin(e * m)
     out = reference.rope(reference.rms_norm(pooled, comp.norm.weight, comp.norm.eps), cos, sin).to(out_dtype)
-    entry_pool[_rows(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
+    entry_pool[slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
     for i in shut:
         entries[i].num_entries += 1
 
@@ -196,11 +192,11 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
         if n and topk is not None:                                             # CSA: the indexer's picks
             t = topk[g]
             valid = t >= 0
-            ck = s0.cmp_kv.pool[_rows(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
+            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
             scores.append(row_scores(kq, ck).mul(scale).masked_fill(~valid[:, None], float("-inf")))
         elif n:                                                                 # HCA: every entry
             idx = torch.arange(n, device=q.device).expand(len(g), n)
-            ck = s0.cmp_kv.pool[_rows(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
+            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
             scores.append(row_scores(kq, ck).mul(scale))
         sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
         logits = torch.cat(scores + [sink], dim=-1)
