@@ -160,7 +160,7 @@ def _limit_row(cost: dict, hw: dict, dtype, measured_s: float) -> dict:
 def _engine_ready(model, batch: int, prompt_len: int, new_tokens: int, seed: int = 0):
     """An ``LLMEngine`` with ``batch`` requests of ``prompt_len`` random tokens, all prefilled (each
     has its first token), greedy, ``new_tokens`` tokens each at most; step history cleared."""
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.core.sampling_params import SamplingParams
 
     max_len = prompt_len + new_tokens + 8

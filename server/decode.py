@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict, defaultdict
 
 from engine.core.block_manager import CacheFullError
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.core.request import RequestOutput
 from kvtransfer.assembler import TransferTable

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.request import RequestOutput
 from server.backend import BackendError, GenRequest, TokenEvent
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from engine.core.pd_state import state_tensors
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.core.request import RequestOutput, finish_reason
 from kvtransfer.pusher import Pusher

@@ -31,7 +31,7 @@ import zmq
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
 from kvtransfer.secure import secure_server, stop_authenticator

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine.core.block_manager import CacheConfig
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.core.request import FinishReason

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import engine.ops.reference as R
-from engine.state import CompressorState
+from engine.model.state import CompressorState
 
 g = torch.Generator().manual_seed(0)
 

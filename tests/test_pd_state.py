@@ -7,7 +7,7 @@ import torch
 
 from engine.core.block_manager import CacheFullError
 from engine.core.pd_state import expected_shapes
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 

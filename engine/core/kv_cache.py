@@ -6,10 +6,12 @@ view of one request (``engine.core.paged_state``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
-from engine.core.block_manager import GROWING, BlockManager, CacheConfig
+from engine.core.block_manager import GROWING, BlockManager, CacheConfig, plan_cache, pool_bytes
 from engine.core.paged_state import PagedSequenceState
 
 
@@ -72,3 +74,44 @@ def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:
     score.zero_()
     if overlap:
         score[CSA_RATIO:2 * CSA_RATIO, : score.shape[1] // 2] = float("-inf")
+
+
+def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
+    """State budget (bytes) of ``model`` (a loaded ``Transformer``): ``mem_fraction_static`` x memory - weight bytes. Memory is the device
+    total on CUDA / Ascend (``torch.npu`` exists once torch_npu is imported), and the configured
+    ``cpu_memory_bytes`` on CPU, there being no device to query."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dev = model.embed.weight.device
+    if dev.type in ("cuda", "npu"):
+        total = getattr(torch, dev.type).mem_get_info(dev)[1]
+    else:
+        total = cpu_memory_bytes
+    return int(total * mem_fraction_static) - weights
+
+
+def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: float, cpu_memory_bytes: int,
+               num_kv_blocks: int | None = None) -> CacheConfig:
+    """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``.
+
+    ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
+    same token reach and at least ``batch_size`` blocks. None: ``plan_cache`` fills the budget.
+    Raises:
+        ValueError: no budget left after the weights, or ``num_kv_blocks`` over it.
+    """
+    a = model.args
+    budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
+    if budget <= 0:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise ValueError(f"mem_fraction_static x memory leaves no room for state: the weights alone take "
+                         f"{weights} bytes; raise mem_fraction_static / cpu_memory_gb")
+    if num_kv_blocks is not None:
+        # HCA blocks: the same token reach as the CSA pool, and at least one per running request
+        c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
+        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
+        need = pool_bytes(a, model.dtype, cfg)
+        if need > budget:
+            raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
+                             f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
+    else:
+        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+    return cfg

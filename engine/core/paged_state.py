@@ -1,7 +1,7 @@
 """One request's decode state over the paged pools, as the model reads and writes it.
 
 ``PagedSequenceState`` / ``PagedLayerState`` / ``PagedEntries`` have the interfaces of the
-contiguous ``engine.state`` classes (``SequenceState`` / ``LayerState`` / ``GrowBuffer``), their
+contiguous ``engine.model.state`` classes (``SequenceState`` / ``LayerState`` / ``GrowBuffer``), their
 rows reached through block tables (``slot_mapping``).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from engine.config import CSA_RATIO
 from engine.core.block_manager import SeqBlocks
-from engine.state import CompressorState
+from engine.model.state import CompressorState
 
 if TYPE_CHECKING:
     from engine.core.kv_cache import PagedCache
@@ -52,7 +52,7 @@ class PagedEntries:
 
 
 class PagedLayerState:
-    """One layer of one request over the pools: the ``engine.state.LayerState`` interface."""
+    """One layer of one request over the pools: the ``engine.model.state.LayerState`` interface."""
 
     def __init__(self, cache: "PagedCache", layer: int, held: SeqBlocks, tables: dict[str, torch.Tensor],
                  num_tokens: int):
@@ -101,7 +101,7 @@ def _comp_view(tensors: tuple[torch.Tensor, torch.Tensor], slot: int, ratio: int
 
 
 class PagedSequenceState:
-    """A request's decode state over the pools: the ``engine.state.SequenceState`` interface."""
+    """A request's decode state over the pools: the ``engine.model.state.SequenceState`` interface."""
 
     def __init__(self, cache: "PagedCache", held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None):
         # block tables as tensors once per step, shared by all layers; ``layers``: build only these

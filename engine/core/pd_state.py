@@ -42,7 +42,7 @@ def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable
 
 def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
     """Layer ``l``'s ``state_tensors`` entries from a ``PagedLayerState`` or a contiguous
-    ``engine.state.LayerState`` (same attributes) after ``num_tokens`` tokens; ``win_kv``: its
+    ``engine.model.state.LayerState`` (same attributes) after ``num_tokens`` tokens; ``win_kv``: its
     window rows, positions L-n .. L-1. Entries are ``view()`` results, remainders copies."""
     out = {f"layers.{l}.win_kv": win_kv}
     for name in ("cmp_kv", "idx_kv"):

@@ -14,7 +14,7 @@ from engine.model.batched_decode import attend_rows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.ops import Ops
 from engine.ops.reference import num_new_entries
-from engine.state import CompressorState, LayerState
+from engine.model.state import CompressorState, LayerState
 
 
 class Compressor(nn.Module):

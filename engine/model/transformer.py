@@ -18,7 +18,7 @@ from engine.model.batched_decode import DecodeRows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.model.moe import MoE
 from engine.ops import REFERENCE, Ops
-from engine.state import LayerState, SequenceState
+from engine.model.state import LayerState, SequenceState
 
 
 class Block(nn.Module):

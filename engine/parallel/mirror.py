@@ -21,7 +21,7 @@ import os
 import torch
 
 from engine.core.pd_state import check_state_tensors, layer_state_tensors, load_state_tensors
-from engine.llm_engine import RequestError
+from engine.core.llm_engine import RequestError
 from engine.parallel.dp_cache import DPCache
 from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
 

@@ -1,28 +1,26 @@
 """The serving engine of one worker: requests in, tokens out, many requests per forward.
 
-``LLMEngine`` = paged state pools (``engine.core.kv_cache``) + scheduler (``engine.core.scheduler``) + the model
-+ sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
+``LLMEngine`` = paged state pools (``engine.core.kv_cache``) + scheduler (``engine.core.scheduler``)
++ the model + sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
 what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.block_manager import CacheConfig, CacheFullError, Geometry, plan_cache, pool_bytes
-from engine.core.kv_cache import PagedCache
+from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
+from engine.core.kv_cache import PagedCache, size_pools
 from engine.core.pd_state import load_state_tensors, state_tensors
-from engine.config import CSA_RATIO, HCA_RATIO
-from engine.model.transformer import Transformer
-from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
-from engine.core.sampler import sample
-from engine.core.scheduler import Scheduler, SchedulerLimits
 from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
+from engine.core.sampler import sample
+from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerLimits
+from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +40,6 @@ class StepStats:
     sample_s: float = 0.0
     tokens: int = 0
     history: list[tuple[int, int, float, float]] = field(default_factory=list)  # (seqs, tokens, sched_s, model_s)
-
-
-def kv_budget_bytes(model: Transformer, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
-    """State budget (bytes): ``mem_fraction_static`` x memory - weight bytes. Memory is the device
-    total on CUDA / Ascend (``torch.npu`` exists once torch_npu is imported), and the configured
-    ``cpu_memory_bytes`` on CPU, there being no device to query."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    dev = model.embed.weight.device
-    if dev.type in ("cuda", "npu"):
-        total = getattr(torch, dev.type).mem_get_info(dev)[1]
-    else:
-        total = cpu_memory_bytes
-    return int(total * mem_fraction_static) - weights
 
 
 class LLMEngine:
@@ -87,7 +72,7 @@ class LLMEngine:
         self.on_layer_final: Callable[[int, list[tuple[str, int]]], None] | None = None
         self.stats = StepStats()
         self._finished_out: list[RequestOutput] = []
-        # graph-mode decode (engine.runner.DecodeRunner): runs the batch's single-token rows
+        # graph-mode decode (engine.core.model_runner.DecodeRunner): runs the batch's single-token rows
         self.runner = None
 
     @classmethod
@@ -95,29 +80,12 @@ class LLMEngine:
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
               cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None,
               num_reserved_decode_tokens: int = 64, eos_ids: tuple[int, ...] | None = None) -> "LLMEngine":
-        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks) and build the engine.
-
-        ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
-        same token reach and at least ``batch_size`` blocks.
+        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine.
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
-        budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
-        if budget <= 0:
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            raise ValueError(f"mem_fraction_static x memory leaves no room for state: the weights alone take "
-                             f"{weights} bytes; raise mem_fraction_static / cpu_memory_gb")
-        if num_kv_blocks is not None:
-            # HCA blocks: the same token reach as the CSA pool, and at least one per running request
-            c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
-            cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
-            need = pool_bytes(a, model.dtype, cfg)
-            if need > budget:
-                raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
-                                 f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
-        else:
-            cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+        cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks)
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
@@ -310,8 +278,8 @@ class LLMEngine:
             done = [(s.seq_id, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)
                     if s.hold_state and not s.output_ids and s.num_computed + n == len(s.prompt_ids)]
             if done:
-                def hook(layer: int, done=done, cb=self.on_layer_final):
-                    cb(layer, done)
+                cb = self.on_layer_final
+                hook = lambda layer: cb(layer, done)  # noqa: E731 - this step's finishing prompts
         try:
             hidden = self._forward(batch, ids, tokens, hook)
         except Exception:
