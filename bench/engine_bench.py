@@ -243,7 +243,7 @@ def breakdown(wmodel, batch: int, prompt_len: int, steps: int, seed: int = 0) ->
     torch ops run outside the table (e.g. sampling) and Python. The batched decode attention of
     paged requests (window, compressors, indexer, sparse attention) is labelled ``decode_rows``.
     """
-    from engine.model.batched_decode import PROFILE_LABEL as DECODE_ROWS
+    from engine.core.batched_decode import PROFILE_LABEL as DECODE_ROWS
     from engine.ops import OP_NAMES
 
     eng = _engine_ready(wmodel, batch, prompt_len, 2 * steps + 4, seed)

@@ -145,6 +145,18 @@ def pool_bytes(args: ModelArgs, dtype, config: CacheConfig) -> int:
     return fixed + trash + sum(config.num_blocks.get(p, 0) * g.bytes_per_block(p, esize) for p in GROWING)
 
 
+def slot_mapping(table, bs: int, idx):
+    """Flat pool rows of logical slots ``idx`` (a long tensor) through block tables (long tensors).
+
+    ``table``: one block table ``[n_blocks]`` (``idx`` indexes it), or one per row ``[B, n_blocks]``
+    with ``idx`` ``[B, k]`` (gathered row by row); ``bs``: block size (slots). Row of slot i is
+    ``table[i // bs] * bs + i % bs``; same shape as ``idx``, long.
+    """
+    if table.dim() == 2:
+        return table.gather(1, idx // bs) * bs + idx % bs
+    return table[idx // bs] * bs + idx % bs
+
+
 class BlockPool:
     """Free list of block ids ``0 .. n-1`` (FIFO reuse) with an exact free count."""
 

@@ -77,9 +77,10 @@ def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:
 
 
 def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
-    """State budget (bytes) of ``model`` (a loaded ``Transformer``): ``mem_fraction_static`` x memory - weight bytes. Memory is the device
-    total on CUDA / Ascend (``torch.npu`` exists once torch_npu is imported), and the configured
-    ``cpu_memory_bytes`` on CPU, there being no device to query."""
+    """State budget (bytes) of ``model`` (a loaded ``Transformer``): ``mem_fraction_static`` x
+    memory - weight bytes. Memory is the device total on CUDA / Ascend (``torch.npu`` exists once
+    torch_npu is imported), and the configured ``cpu_memory_bytes`` on CPU, there being no device
+    to query."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     dev = model.embed.weight.device
     if dev.type in ("cuda", "npu"):

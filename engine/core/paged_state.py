@@ -12,23 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import CSA_RATIO
-from engine.core.block_manager import SeqBlocks
+from engine.core.batched_decode import DecodeRows
+from engine.core.block_manager import SeqBlocks, slot_mapping
 from engine.model.state import CompressorState
 
 if TYPE_CHECKING:
     from engine.core.kv_cache import PagedCache
-
-
-def slot_mapping(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
-    """Flat pool rows of logical slots ``idx`` (long, any shape) through block tables.
-
-    ``table``: one block table ``[n_blocks]`` (``idx`` indexes it), or one per row ``[B, n_blocks]``
-    with ``idx`` ``[B, k]`` (gathered row by row); ``bs``: block size (slots). Row of slot i is
-    ``table[i // bs] * bs + i % bs``; same shape as ``idx``, long.
-    """
-    if table.dim() == 2:
-        return table.gather(1, idx // bs) * bs + idx % bs
-    return table[idx // bs] * bs + idx % bs
 
 
 class PagedEntries:
@@ -112,3 +101,8 @@ class PagedSequenceState:
         self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) if keep is None or l in keep else None
                        for l in range(cache.geometry.num_layers)]
         self.num_tokens = num_tokens
+
+    def decode_context(self, states: list, spans: list[tuple[int, int, int]], window: int) -> DecodeRows | None:
+        """The model's per-step batched-decode context (``Transformer.forward_batch``): the
+        single-token rows of ``states`` over this state's pools, run together (``DecodeRows``)."""
+        return DecodeRows.build(self.cache, states, spans, window)

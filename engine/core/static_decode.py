@@ -201,7 +201,7 @@ class StaticDecoder:
         keys = c.idx_kv[i][slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
         s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", iq.float(), keys), iw, idx.head_dim ** -0.5)
         allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
-        return reference._topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
+        return reference.topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
 
     def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
         """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the

@@ -4,7 +4,9 @@
 at decode it runs the window, compressors, indexer and sparse attention once per request and
 layer, a few dozen small ops each. Here every single-token row whose state lives in the same
 ``PagedCache`` goes through them together: ring / entry / state-slot indices are computed once
-per step (``DecodeRows``), and each layer gathers, updates and attends for all rows at once.
+per step (``DecodeRows``, the model's per-step decode context: ``PagedSequenceState.decode_context``
+builds it, ``Attention.forward`` calls its ``attend``), and each layer gathers, updates and
+attends for all rows at once.
 
 Every row's result is bit-identical to the per-sequence path (``tests/test_batched_decode.py``):
 the same calls on the same per-row shapes (the per-row products go through ``reference.row_scores``
@@ -16,14 +18,17 @@ Letters: B rows, h heads, d head dim, W window, k top-k, N entries, m compress r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.kv_cache import PagedCache
-from engine.core.paged_state import PagedSequenceState, slot_mapping
 from engine.config import CSA_RATIO
+from engine.core.block_manager import slot_mapping
 from engine.ops import reference
-from engine.ops.reference import _gemm, _topk_low_index, row_mix, row_scores, weighted_relu_sum
+from engine.ops.reference import gemm, row_mix, row_scores, topk_low_index, weighted_relu_sum
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache import PagedCache
 
 
 NO_BLOCK = 1 << 40                    # block-table padding: past every pool
@@ -41,7 +46,7 @@ class DecodeRows:
     ``[B, max blocks]`` int64 (padded with ``NO_BLOCK``).
     """
 
-    cache: PagedCache
+    cache: "PagedCache"
     seq: list[int]
     rows: torch.Tensor
     positions: torch.Tensor
@@ -53,15 +58,14 @@ class DecodeRows:
     tables: dict[str, torch.Tensor]
 
     @classmethod
-    def build(cls, states: list, spans: list[tuple[int, int, int]], window: int) -> "DecodeRows | None":
-        """The rows of ``spans`` with one token whose state is a ``PagedSequenceState`` of the first
-        such state's cache; None when there are none."""
+    def build(cls, cache: "PagedCache", states: list, spans: list[tuple[int, int, int]],
+              window: int) -> "DecodeRows | None":
+        """The rows of ``spans`` (``(offset, length, start_pos)`` per sequence) with one token whose
+        state is a ``PagedSequenceState`` over ``cache``; None when there are none."""
         pick = [j for j, (st, (_, n, _)) in enumerate(zip(states, spans))
-                if n == 1 and isinstance(st, PagedSequenceState)]
+                if n == 1 and getattr(st, "cache", None) is cache]
         if not pick:
             return None
-        cache = states[pick[0]].cache
-        pick = [j for j in pick if states[j].cache is cache]
         dev, bs, ring = cache.device, cache.config.block_size, cache.geometry.ring_len
         pos = [spans[j][2] for j in pick]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
@@ -85,6 +89,12 @@ class DecodeRows:
                    slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], tables)
 
 
+    def attend(self, att, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
+        """``Attention.forward``'s per-sequence body for these rows of one layer: ``attend_rows``."""
+        return attend_rows(att, self, lstates, x, q, kv, iq, iw)
+
+
 def _groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
     """(key, row indices) per distinct key, in first-seen order."""
     out: dict[int, list[int]] = {}
@@ -106,8 +116,8 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     d = width // 2 if overlap else width
     xf = comp.wkv.quant_input(x).float()
     r = dec.positions % m
-    kv = _gemm(xf, comp.wkv.weight.float())
-    score = _gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
+    kv = gemm(xf, comp.wkv.weight.float())
+    score = gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
     skv, ssc = state_pool
     shut = [i for i, p in enumerate(dec.pos) if p % m == m - 1]
     if len(shut) < len(dec.pos):
@@ -147,7 +157,7 @@ def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entri
         keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
         s = weighted_relu_sum(row_scores(iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
         allowed = torch.ones_like(s, dtype=torch.bool)
-        out[g] = _topk_low_index(s, allowed, idx.topk)
+        out[g] = topk_low_index(s, allowed, idx.topk)
     return out
 
 
