@@ -13,7 +13,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from engine.core.pd_state import state_tensors
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.core.request import RequestOutput, finish_reason
@@ -113,7 +112,7 @@ class PrefillWorker(Worker):
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            tensors = state_tensors(self.engine.cache, rid, L, [layer])     # copies: safe to send later
+            tensors = self.engine.layer_state(rid, L, layer)     # copies: safe to send later
             self.pusher.put("layer", rid, job.dest,
                             lambda t=tensors, r=rid, n=L, ly=layer: encode_layer(r, self.fingerprint, n, ly, t))
             job.sent_layers = True

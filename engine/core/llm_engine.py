@@ -138,6 +138,11 @@ class LLMEngine:
         seq = self.held[request_id]
         return seq, state_tensors(self.cache, request_id, seq.num_computed)
 
+    def layer_state(self, request_id: str, num_tokens: int, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer`` of a request's state after ``num_tokens`` tokens (``state_tensors``
+        names; copies, safe to send later): what ``on_layer_final`` announces. Raises KeyError."""
+        return state_tensors(self.cache, request_id, num_tokens, [layer])
+
     def release(self, request_id: str) -> bool:
         """Free a held request's state. False if it holds none."""
         if self.held.pop(request_id, None) is None:
