@@ -7,9 +7,9 @@ import pytest
 
 from engine.core.block_manager import CacheConfig
 from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.core.request import FinishReason
 from engine.weights import load_model
 
 

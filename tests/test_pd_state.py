@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from engine.core.block_manager import CacheFullError
-from engine.core.pd_state import expected_shapes
 from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.pd_state import expected_shapes
 from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 

@@ -1,8 +1,8 @@
 """The serving engine of one worker: requests in, tokens out, many requests per forward.
 
 ``LLMEngine`` = paged state pools (``engine.core.kv_cache``) + scheduler (``engine.core.scheduler``)
-+ the model + sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
-what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
++ the model + sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and
+returns what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
 """
 from __future__ import annotations
 
