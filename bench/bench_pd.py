@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.build import build_engine  # noqa: E402
-from engine.cache import state_tensors  # noqa: E402
+from engine.core.pd_state import state_tensors  # noqa: E402
 from engine.run_config import RunConfig  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from server.launcher import LocalPD, log_tail  # noqa: E402

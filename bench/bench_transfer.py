@@ -4,7 +4,7 @@
                                              [--reps 5] [--json]
 
 Messages (built with ``kvtransfer.wire.encode_state``, random bytes):
-    tiny-4k    the tiny flash preset's decode state at L = 4096 (``engine.cache.expected_shapes``)
+    tiny-4k    the tiny flash preset's decode state at L = 4096 (``engine.core.pd_state.expected_shapes``)
     flash-8k   a DeepSeek-V4-Flash-shaped state at L = 8192: 43 layers (2 window-only, 21 CSA,
                20 HCA), head_dim 512, index_head_dim 128, bf16 KV, fp32 compressor remainders
                (reference/dsv4-architecture.md section 4: ~59 MiB)
@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.cache import expected_shapes  # noqa: E402
+from engine.core.pd_state import expected_shapes  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.tiny import PRESETS  # noqa: E402
 from kvtransfer.transport import make_receiver, make_sender  # noqa: E402

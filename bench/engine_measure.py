@@ -23,7 +23,8 @@ def synthetic_paged(model, context: int, generator: torch.Generator, headroom: i
     """A ``PagedCache`` holding one request (id 0) as after prefilling ``context`` tokens, random
     values: every pool filled with unit-scale normals (the entries, ring and compressor rows a
     real prefill writes are all in there; the rest is never read). Room for ``headroom`` more."""
-    from engine.cache import CacheConfig, Geometry, PagedCache
+    from engine.core.block_manager import CacheConfig, Geometry
+    from engine.core.kv_cache import PagedCache
     from engine.config import CSA_RATIO
 
     g = Geometry.of(model.args, 128)
@@ -36,7 +37,7 @@ def synthetic_paged(model, context: int, generator: torch.Generator, headroom: i
     for t in pools:
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     if context < CSA_RATIO:                         # no CSA window closed yet: overlap weights still 0
-        cache._reset_state(held.state_slot)
+        cache.reset_slot(held.state_slot)
     return cache
 
 
@@ -118,7 +119,7 @@ def _limit_row(cost: dict, hw: dict, dtype, measured_s: float) -> dict:
 def _engine_ready(model, batch: int, prompt_len: int, new_tokens: int, seed: int = 0):
     """An ``LLMEngine`` with ``batch`` requests of ``prompt_len`` random tokens, all prefilled (each
     has its first token), greedy, ``new_tokens`` tokens each at most; step history cleared."""
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
     from engine.core.sampling_params import SamplingParams
 
     max_len = prompt_len + new_tokens + 8
@@ -201,7 +202,7 @@ def breakdown(wmodel, batch: int, prompt_len: int, steps: int, seed: int = 0) ->
     torch ops run outside the table (e.g. sampling) and Python. The batched decode attention of
     paged requests (window, compressors, indexer, sparse attention) is labelled ``decode_rows``.
     """
-    from engine.model.batched_decode import PROFILE_LABEL as DECODE_ROWS
+    from engine.core.batched_decode import PROFILE_LABEL as DECODE_ROWS
     from engine.ops import OP_NAMES
 
     eng = _engine_ready(wmodel, batch, prompt_len, 2 * steps + 4, seed)

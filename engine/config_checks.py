@@ -65,7 +65,7 @@ def show(v: Any) -> str:
 def check_dsv4_settings(c: RunConfig) -> None:
     """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
     # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
-    # the same captured step as npugraph_ex elsewhere), see engine.runner
+    # the same captured step as npugraph_ex elsewhere), see engine.core.model_runner
     m, cp = c.model_config, c.model_config.custom_params
     if c.parallel_config.attn_tp_size != 1:
         raise ConfigError(f"parallel_config.attn_tp_size: DeepSeek-V4 needs 1 (attention is data-parallel), "

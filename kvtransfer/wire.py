@@ -1,7 +1,7 @@
 """Self-describing wire format for one request's decode state (prefill -> decode).
 
 A message is a list of frames: frame 0 is a msgpack header, frames 1..n the raw bytes of the
-tensors it lists, in order (the names of ``engine.cache.state_tensors``). No pickle: the header
+tensors it lists, in order (the names of ``engine.core.pd_state.state_tensors``). No pickle: the header
 is msgpack of plain types, tensor bytes are reinterpreted with the dtype the header names.
 
 One transfer is either a single ``state`` message, or (pushed while prefill runs) one ``layer``

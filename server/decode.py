@@ -13,10 +13,10 @@ import logging
 import time
 from collections import OrderedDict, defaultdict
 
-from engine.cache import CacheFullError
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.block_manager import CacheFullError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
-from engine.sequence import RequestOutput
+from engine.core.request import RequestOutput
 from kvtransfer.assembler import TransferTable
 from kvtransfer.transport import make_receiver
 from kvtransfer.wire import TransferError, decode_header, decode_state

@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from engine.llm_engine import LLMEngine, RequestError
-from engine.sequence import RequestOutput
+from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.request import RequestOutput
 from server.backend import BackendError, GenRequest, TokenEvent
 
 log = logging.getLogger(__name__)

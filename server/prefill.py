@@ -13,10 +13,9 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from engine.cache import state_tensors
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
-from engine.sequence import FinishReason, RequestOutput
+from engine.core.request import RequestOutput, finish_reason
 from kvtransfer.pusher import Pusher
 from kvtransfer.transport import make_sender
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
@@ -113,7 +112,7 @@ class PrefillWorker(Worker):
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            tensors = state_tensors(self.engine.cache, rid, L, [layer])     # copies: safe to send later
+            tensors = self.engine.layer_state(rid, L, layer)     # copies: safe to send later
             self.pusher.put("layer", rid, job.dest,
                             lambda t=tensors, r=rid, n=L, ly=layer: encode_layer(r, self.fingerprint, n, ly, t))
             job.sent_layers = True
@@ -132,11 +131,7 @@ class PrefillWorker(Worker):
     def _first(self, out: RequestOutput, job: _Job) -> None:
         rid, tok, p = out.request_id, out.new_token_ids[0], job.params
         e = self.engine
-        reason = None
-        if (tok in e.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif p.max_new_tokens == 1 or job.num_tokens + 1 >= e.limits.max_model_len:
-            reason = FinishReason.LENGTH
+        reason = finish_reason(tok, 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
                                   "reason": reason.value if reason else None, "queue_s": out.queue_time_s})

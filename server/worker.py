@@ -31,9 +31,9 @@ import zmq
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.run_config import DEFAULT_MODEL_NAME
-from engine.sequence import RequestOutput
+from engine.core.request import RequestOutput
 from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
 from server.messages import MessageError, pack, set_heartbeat, unpack

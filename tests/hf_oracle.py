@@ -60,7 +60,7 @@ class TieGuard:
         self._calls["index"] += 1
         out = torch.full((q.shape[0], topk), -1, dtype=torch.long)
         for t0, t1, s, allowed in R.indexer_scores(q, weights, keys, positions, ratio, scale):
-            out[t0:t1] = R._topk_low_index(s, allowed, topk)
+            out[t0:t1] = R.topk_low_index(s, allowed, topk)
             self._record(self.index, slot, positions[t0:t1], out[t0:t1], s, allowed.sum(-1), topk)
         return out
 

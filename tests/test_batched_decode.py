@@ -1,11 +1,12 @@
-"""Decode rows batched across requests (engine.model.batched_decode) give every row the bits of
+"""Decode rows batched across requests (engine.core.batched_decode) give every row the bits of
 the per-sequence path: hidden states, and the ring / compressor state / entry pools they leave."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.cache import CacheConfig, PagedCache
+from engine.core.block_manager import CacheConfig
+from engine.core.kv_cache import PagedCache
 from engine.weights import load_model
 
 # prompt lengths: a decode at position p = length. Covers p < window, the first CSA entry (p = 3),
@@ -85,3 +86,14 @@ def test_a_row_past_its_blocks_fails_instead_of_writing_elsewhere(model):
         model.forward_batch(torch.tensor([5, 6]), [c.sequence_state(0, 600), c.sequence_state(1, 127)], [1, 1])
     hca = [l for l in c.cmp_kv if model.args.compress_ratios[l] == 128]
     assert all(torch.equal(c.cmp_kv[l], before[list(c.cmp_kv).index(l)]) for l in hca)
+
+
+def test_the_model_imports_no_serving_code():
+    """engine/model is the network only: batched paged decode reaches it as the states' per-step
+    context (``decode_context``), not as an import of engine.core or engine.parallel."""
+    import subprocess
+    import sys
+    code = ("import sys, engine.model.transformer, engine.model.state; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('engine.core', 'engine.parallel'))); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

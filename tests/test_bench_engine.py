@@ -171,7 +171,8 @@ def _shapes(state):
 def test_synthetic_paged_state_matches_real_prefill(model, context):
     """Same entry counts, shapes, dtypes and finite / -inf overlap state as a real prefill of
     that many tokens over the pools; a decode step on it runs and appends like a real one."""
-    from engine.cache import CacheConfig, PagedCache
+    from engine.core.block_manager import CacheConfig
+    from engine.core.kv_cache import PagedCache
 
     ids = torch.randint(2, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
     real = PagedCache(model.args, CacheConfig(128, 1, {"c4": 4, "c128": 1}), model.dtype)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheConfig, CacheFullError, Geometry, PagedCache, plan_cache
+from engine.core.block_manager import CacheConfig, CacheFullError, Geometry, plan_cache
+from engine.core.kv_cache import PagedCache
 from engine.weights import load_model
 
 
@@ -81,3 +82,13 @@ def test_paged_state_is_bit_identical_to_contiguous(model):
         assert torch.equal(torch.cat(outs), ref), attempt
         c.free("a")
         c.free("b")
+
+
+def test_scheduler_and_block_manager_load_no_torch():
+    """The accounting the scheduler and attention DP need imports no torch (the tensors live in
+    engine.core.kv_cache)."""
+    import subprocess
+    import sys
+    code = ("import sys, engine.core.scheduler, engine.core.block_manager; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('engine'))")
+    subprocess.run([sys.executable, "-c", code], check=True)

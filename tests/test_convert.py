@@ -20,10 +20,10 @@ from engine.checkpoint import model_linears
 from engine.config import ModelArgs
 from engine.convert_config import BACKUP, convert_config
 from engine.convert_config import main as config_main
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.qscheme import QUANT_TYPES
-from engine.runner import DecodeRunner, ExecConfig
+from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.sampling_params import SamplingParams
 from engine.tiny import PRESETS, make_tensors, write_shards
 from engine.weights import dequant_linear, load_model, scan_checkpoint

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from engine.cache import CacheConfig
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.block_manager import CacheConfig
+from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
-from engine.scheduler import SchedulerLimits
-from engine.sequence import FinishReason
+from engine.core.scheduler import SchedulerLimits
 from engine.weights import load_model
 
 

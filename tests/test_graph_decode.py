@@ -10,10 +10,10 @@ import torch
 from engine.build import build_engine, check_platform_version, exec_config
 from engine.config import ConfigError
 from engine.platform import soc_platform
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.run_config import RunConfig
-from engine.runner import DecodeRunner, ExecConfig, buckets
+from engine.core.model_runner import DecodeRunner, ExecConfig, buckets
 from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import engine.ops.reference as R
-from engine.state import CompressorState
+from engine.model.state import CompressorState
 
 g = torch.Generator().manual_seed(0)
 
@@ -61,13 +61,13 @@ def test_sparse_attn_topk_ignores_minus_one_and_is_chunking_invariant(monkeypatc
 def test_topk_ties_break_to_lower_index_and_pad():
     s = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
     allowed = torch.ones_like(s, dtype=torch.bool)
-    assert R._topk_low_index(s, allowed, 3).tolist() == [[1, 2, 3]]
-    assert R._topk_low_index(s, allowed, 4).tolist() == [[1, 2, 3, 5]]
+    assert R.topk_low_index(s, allowed, 3).tolist() == [[1, 2, 3]]
+    assert R.topk_low_index(s, allowed, 4).tolist() == [[1, 2, 3, 5]]
     allowed[0, 3:] = False
     s2 = s.masked_fill(~allowed, float("-inf"))
-    assert R._topk_low_index(s2, allowed, 4).tolist() == [[0, 1, 2, -1]]
+    assert R.topk_low_index(s2, allowed, 4).tolist() == [[0, 1, 2, -1]]
     zeros = torch.zeros(1, 6)
-    assert R._topk_low_index(zeros, torch.ones(1, 6, dtype=torch.bool), 2).tolist() == [[0, 1]]
+    assert R.topk_low_index(zeros, torch.ones(1, 6, dtype=torch.bool), 2).tolist() == [[0, 1]]
 
 
 def test_indexer_causal_candidates_and_chunking(monkeypatch):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache import CacheFullError, expected_shapes
-from engine.llm_engine import LLMEngine, RequestError
+from engine.core.block_manager import CacheFullError
+from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.pd_state import expected_shapes
 from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 

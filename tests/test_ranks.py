@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.build import build_engine, check_min_ranks
-from engine.cache import state_tensors
+from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
 from engine.parallel.mirror import Mirror, cache_layout, follow, sequence_state_tensors
@@ -243,7 +243,8 @@ def test_a_multi_rank_config_outside_launch_pd_is_refused_before_loading(ckpt):
 
 
 def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(reference):
-    from engine.cache import CacheFullError, PagedCache
+    from engine.core.block_manager import CacheFullError
+    from engine.core.kv_cache import PagedCache
     from engine.parallel.dp_cache import DPCache
     local = PagedCache(reference.cache.args, dataclasses.replace(reference.cache.config, max_seqs=2),
                        reference.cache.dtype)
@@ -259,7 +260,7 @@ def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(ref
     assert "r6" not in dp.owner
     dp.allocate("r4", 600)                                # grows on its owner
     assert dp.rank_of("r4") == 1 and dp.ranks[1].seqs["r4"] is dp.seqs["r4"]
-    assert dp.sequence_state("r4", 600).cache is dp.ranks[1]
+    assert dp.sequence_state("r4", 600).held is dp.ranks[1].seqs["r4"]
     dp.free("r1")
     dp.allocate("r7", 10)
     assert dp.rank_of("r7") == 1                          # the freed slot
@@ -322,11 +323,11 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     """Under attention DP only a request on the same rank frees room: the victim is the newest
     request of that rank, the other rank's request keeps running, and the victim is not
     readmitted (on the rank with room) in the step that preempted it."""
-    from engine.cache import PagedCache
+    from engine.core.kv_cache import PagedCache
     from engine.parallel.dp_cache import DPCache
     from engine.core.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler, SchedulerLimits
-    from engine.sequence import Sequence, SeqStatus
+    from engine.core.scheduler import Scheduler, SchedulerLimits
+    from engine.core.request import Sequence, SeqStatus
     c = reference.cache
     g = c.geometry
     # s0 and s2 (rank 0): L tokens, at the end of their 2nd c4 block, filling rank 0's pool; s1

@@ -5,7 +5,7 @@ import msgpack
 import pytest
 import torch
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
 from engine.weights import load_model
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint

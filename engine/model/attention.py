@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from engine.config import CSA_RATIO, ModelArgs
-from engine.model.batched_decode import attend_rows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.ops import Ops
 from engine.ops.reference import num_new_entries
-from engine.state import CompressorState, LayerState
+from engine.model.state import CompressorState, LayerState
 
 
 class Compressor(nn.Module):
@@ -97,7 +96,12 @@ class Attention(nn.Module):
         into the packed rows; states: that sequence's state for this layer (updated in place);
         cos/sin ``[T, r/2]`` of this layer's rope. Projections run over all rows at once; the window,
         compressors, indexer and sparse attention run per sequence, except for the single-token
-        rows in ``dec`` (``batched_decode.DecodeRows``), which run together (same values).
+        rows in ``dec``, which run together (same values). ``dec``: a per-step decode context (the
+        states' ``decode_context``, e.g. ``engine.core.batched_decode.DecodeRows``): ``dec.seq``
+        the indices of the sequences it runs, ``dec.rows`` ``[B]`` long their packed rows, and
+        ``dec.attend(attention, layer_states, x, q, kv, iq, iw)`` -> ``[B, h, d]`` in q.dtype (x
+        ``[B, H]``, q ``[B, h, d]``, kv ``[B, d]`` roped; iq / iw the indexer's projections or None),
+        which updates those states as the per-sequence body would.
         """
         T = x.shape[0]
         ops = self.ops
@@ -125,8 +129,8 @@ class Attention(nn.Module):
                                     self.attn_sink, self.head_dim ** -0.5)
         if dec is not None:
             r = dec.rows
-            o[r] = attend_rows(self, dec, [states[j] for j in dec.seq], x[r], q[r], kv[r],
-                               iq[r] if self.indexer is not None else None, iw[r] if self.indexer is not None else None)
+            o[r] = dec.attend(self, [states[j] for j in dec.seq], x[r], q[r], kv[r],
+                              iq[r] if self.indexer is not None else None, iw[r] if self.indexer is not None else None)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
         return self.out_proj(o)
 

@@ -14,11 +14,10 @@ from torch import nn
 
 from engine.config import ModelArgs
 from engine.model.attention import Attention
-from engine.model.batched_decode import DecodeRows
 from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
 from engine.model.moe import MoE
 from engine.ops import REFERENCE, Ops
-from engine.state import LayerState, SequenceState
+from engine.model.state import LayerState, SequenceState
 
 
 class Block(nn.Module):
@@ -115,7 +114,7 @@ class Transformer(nn.Module):
         self.head = Linear(args.hidden_size, args.vocab_size, torch.float32, ops)
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
-        # decode rows of paged requests attend together (batched_decode); it is the reference
+        # decode rows of paged requests attend together (a state's decode_context); it is the reference
         # math, so only where the window / compressor / indexer / attention ops are the reference
         self._batch_decode = all(inspect.unwrap(getattr(ops, n)) is getattr(REFERENCE, n)
                                  for n in ("sparse_attn", "compressor", "indexer_topk"))
@@ -189,7 +188,10 @@ class Transformer(nn.Module):
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
         X = self.embed_tokens(tokens).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        dec = DecodeRows.build(states, spans, a.sliding_window) if self._batch_decode else None
+        dec = None             # single-token rows the states' own context runs together (paged decode)
+        if self._batch_decode:
+            ctx = next((st for st, (_, n, _) in zip(states, spans) if n == 1 and hasattr(st, "decode_context")), None)
+            dec = ctx.decode_context(states, spans, a.sliding_window) if ctx is not None else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
                       *(compress if layer.attn.ratio else main), dec)

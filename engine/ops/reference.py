@@ -44,8 +44,10 @@ def _pad_block(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, GEMM_ROW_MULTIPLE - r))
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` in row blocks of exactly ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]``."""
+def gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` in row blocks of exactly ``GEMM_ROW_MULTIPLE``: x ``[M, K]``, weight ``[N, K]`` ->
+    ``[M, N]`` in x's dtype. Fixed-shape calls make a row's result independent of M (batch
+    invariance: a row computes the same alone or batched)."""
     M, R = x.shape[0], GEMM_ROW_MULTIPLE
     if M == 0:
         return F.linear(x, weight)
@@ -168,7 +170,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     The seam for quantised matmuls (FP8 block / W8A8 / MXFP4 kernels on devices).
     """
     lead = x.shape[:-1]
-    return _gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
+    return gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str | None
@@ -240,7 +242,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     T, G, K = x.shape
     w = weight.to(x.dtype).view(G, -1, K)
-    x, R = x.contiguous(), GEMM_ROW_MULTIPLE                            # batch invariance, see _gemm
+    x, R = x.contiguous(), GEMM_ROW_MULTIPLE                            # batch invariance, see gemm
     if x.device.type != "cpu":
         return torch.einsum("tgk,gnk->tgn", F.pad(x, (0, 0, 0, 0, 0, _pad_rows(T))), w)[:T]
     if 0 < T <= R:
@@ -271,7 +273,7 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     T, n, H = X.shape
     flat = X.reshape(T, n * H).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mix = _gemm(flat, fn.float())                                   # [T, (2+n)*n]
+    mix = gemm(flat, fn.float())                                   # [T, (2+n)*n]
     pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.float().split([n, n, n * n])
     pre = _sigmoid(pre_w * scale[0] + pre_b) + hc_eps
@@ -311,7 +313,7 @@ def hc_head(X: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     T, n, H = X.shape
     flat = X.reshape(T, n * H).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = _sigmoid(_gemm(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = _sigmoid(gemm(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
 
 
@@ -339,9 +341,9 @@ def compressor(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor, ape: tor
     d = width // 2 if overlap else width
     T = x.shape[0]
     xf = x.float()
-    kv = _gemm(xf, wkv.float())                                       # [T, c*d]
+    kv = gemm(xf, wkv.float())                                       # [T, c*d]
     slot = (start_pos + torch.arange(T, device=x.device)) % m
-    score = _gemm(xf, wgate.float()) + ape.float()[slot]
+    score = gemm(xf, wgate.float()) + ape.float()[slot]
     r = start_pos % m
     kv = torch.cat([state.kv[:r], kv])
     score = torch.cat([state.score[:r], score])
@@ -386,7 +388,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos
     """
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     for t0, t1, s, allowed in indexer_scores(q, weights, keys, positions, ratio, scale):
-        out[t0:t1] = _topk_low_index(s, allowed, topk)
+        out[t0:t1] = topk_low_index(s, allowed, topk)
     return out
 
 
@@ -425,8 +427,9 @@ def weighted_relu_sum(s: torch.Tensor, weights: torch.Tensor, scale: float) -> t
     return row_mix((weights.float() * scale).unsqueeze(1), s.clamp_min_(0)).squeeze(1)
 
 
-def _topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows of ``s [t, n]``: ids of the k largest allowed scores, ties -> lower id; -1 padded."""
+def topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``s [t, n]`` (``allowed`` ``[t, n]`` bool): ids of the k largest allowed scores, ties ->
+    lower id; ``[t, k]`` long, -1 padded (fewer than k allowed)."""
     t, n = s.shape
     ids = torch.arange(n, device=s.device).expand(t, n)
     if n > k:
@@ -584,10 +587,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
             continue
         t_e = tok[start:start + c]
         xe = x[t_e]
-        h = swiglu_clamp(_gemm(xe, w1[e].to(x.dtype)), _gemm(xe, w3[e].to(x.dtype)), limit)
+        h = swiglu_clamp(gemm(xe, w1[e].to(x.dtype)), gemm(xe, w3[e].to(x.dtype)), limit)
         if act is not None:
             h = act_quant(h, act)
-        y = _gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
+        y = gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
         out.index_add_(0, t_e, y)                                        # experts in ascending order
         start += c
     return out.to(x.dtype)
@@ -595,7 +598,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
 
 def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
     """``moe_experts``' loop with every expert's rows in one zero-padded ``[rows, H]`` buffer of
-    ``GEMM_ROW_MULTIPLE``-row blocks: the loop's GEMM calls (``_gemm``'s), its other ops once.
+    ``GEMM_ROW_MULTIPLE``-row blocks: the loop's GEMM calls (``gemm``'s), its other ops once.
     ``eid`` / ``tok`` / ``wt``: the ``[T*k]`` slots sorted by expert (stable), their token and weight."""
     R = GEMM_ROW_MULTIPLE
     used, counts = torch.unique_consecutive(eid, return_counts=True)

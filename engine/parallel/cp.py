@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from engine.config import CSA_RATIO
 from engine.model.transformer import Block, Transformer
 from engine.ops.reference import num_new_entries
-from engine.state import SequenceState
+from engine.model.state import SequenceState
 
 ALIGN = 128   # chunk starts: a multiple of every compress ratio and >= sliding_window
 _AS_BYTES = (torch.bfloat16, torch.float16)   # gloo has no bf16 / int16 collectives

@@ -3,14 +3,16 @@
 Each DP rank holds the state of the requests it owns in its own pools, sized for
 ``batch_size / attn_dp_size`` requests, so state memory splits over the ranks. The leader's engine
 schedules all of them through ``DPCache``: rank 0's real ``PagedCache`` plus, for every other rank,
-an accounting twin on the ``meta`` device (the same block manager, no memory). A request gets an
+a ``BlockManager`` (the same accounting, no tensors). A request gets an
 owner at its first allocation (the rank with the most free request slots that fits it, lowest rank
 on ties) and keeps it until freed. The followers replay only their own ranks' calls
-(``engine.parallel.mirror``), so each rank's block tables equal the leader's twin's.
+(``engine.parallel.mirror``), so each rank's block tables equal the leader's accounting of it.
 """
 from __future__ import annotations
 
-from engine.cache import PagedCache, PagedSequenceState, SeqBlocks
+from engine.core.block_manager import BlockManager, SeqBlocks
+from engine.core.kv_cache import PagedCache
+from engine.core.paged_state import PagedSequenceState
 
 
 class DPCache:
@@ -21,7 +23,7 @@ class DPCache:
     """
 
     def __init__(self, local: PagedCache, dp: int):
-        self.ranks = [local] + [PagedCache(local.args, local.config, local.dtype, "meta") for _ in range(dp - 1)]
+        self.ranks: list[BlockManager] = [local] + [BlockManager(local.args, local.config) for _ in range(dp - 1)]
         self.args, self.config, self.dtype, self.device = local.args, local.config, local.dtype, local.device
         self.geometry = local.geometry
         self.owner: dict[object, int] = {}
@@ -62,8 +64,9 @@ class DPCache:
         return self.owner[seq_id]
 
     def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
-        """The owner's view (a meta-device one for another rank: only its block tables are real)."""
-        return self.ranks[self.owner[seq_id]].sequence_state(seq_id, num_tokens)
+        """The owner's holdings over rank 0's pools: for another rank's request only the block
+        tables and ``num_tokens`` mean anything (its rows live on that rank). Raises KeyError."""
+        return PagedSequenceState(self.ranks[0], self.ranks[self.owner[seq_id]].seqs[seq_id], num_tokens)
 
     def num_free(self) -> dict[str, int]:
         """Free blocks per pool, summed over the ranks."""

@@ -20,8 +20,8 @@ import os
 
 import torch
 
-from engine.cache import layer_state_tensors, load_state_tensors
-from engine.llm_engine import RequestError
+from engine.core.pd_state import check_state_tensors, layer_state_tensors, load_state_tensors
+from engine.core.llm_engine import RequestError
 from engine.parallel.dp_cache import DPCache
 from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
 
@@ -86,13 +86,14 @@ class Mirror:
             r = owner(request_id)
             if r is None:
                 load(request_id, tensors, layers)
-            else:                         # the owner's pools (a meta twin checks the shapes only)
+            else:                         # rank 0 writes its own; another rank's are checked here
                 try:
-                    load_state_tensors(cache.ranks[r], request_id, L, tensors, layers)
+                    if r == 0:
+                        load_state_tensors(cache.ranks[0], request_id, L, tensors, layers)
+                        return
+                    check_state_tensors(cache, L, tensors, layers)
                 except ValueError as e:
                     raise RequestError(f"state: {e}") from None
-                if r == 0:
-                    return
             metas, frames = [], []
             for name, t in tensors.items():
                 meta, buf = encode(t)

@@ -32,7 +32,7 @@ LM-head TP, o_a_proj TP with DP->TP all_to_all and reduce-scatter back). Rank la
 Partial sums travel and add in fp32 and are cast to the compute dtype once. Idle ranks: in "dp"
 mode a rank without sequences calls ``forward_idle(model)`` (= ``forward_batch`` with no sequences,
 which runs every layer on zero rows) and, when the step samples, ``model.logits`` on its
-``[0, H]`` result. The graph-captured decode (``engine.model.static_decode``) is not parallel.
+``[0, H]`` result. The graph-captured decode (``engine.core.static_decode``) is not parallel.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from engine.cache import PagedCache
+from engine.core.kv_cache import PagedCache
+from engine.core.paged_state import slot_mapping
 from engine.config import CSA_RATIO, HCA_RATIO
 from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
@@ -29,11 +30,6 @@ from engine.platform import Platform, detect
 # A3 core budgets per branch (reference §8.3): (AI-cube, AI-vector) cores
 CORES_COMPRESSOR = (16, 32)
 CORES_MAIN = (24 - 8, 2 * (24 - 8))
-
-
-def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
-    """Slot mapping per row: table ``[B, nb]``, entry / ring indices ``idx [B, n]`` -> flat pool rows."""
-    return table.gather(1, idx // bs) * bs + idx % bs
 
 
 def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -172,20 +168,20 @@ class StaticDecoder:
         self._join()
         # window ring: write this token, then read positions p-W+1 .. p (ring_len >= W)
         W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
-        win[_rows(tables["win"], bs, (positions % R)[:, None])[:, 0]] = kv
+        win[slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0]] = kv
         wpos = positions[:, None] - W + 1 + torch.arange(W, device=x.device)
-        wk = win[_rows(tables["win"], bs, wpos % R)].float()                     # [B, W, d]
+        wk = win[slot_mapping(tables["win"], bs, wpos % R)].float()                     # [B, W, d]
         qf, scale = q.float(), att.head_dim ** -0.5
         scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill((wpos < 0)[:, None], float("-inf"))]
         ck = None
         if att.ratio == HCA_RATIO:                                               # dense causal entries
             N = self.widths["c128"] * bs
-            ck = c.cmp_kv[i][_rows(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))].float()
+            ck = c.cmp_kv[i][slot_mapping(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))].float()
             seen = torch.arange(N, device=x.device)[None] < ((positions + 1) // HCA_RATIO)[:, None]
             scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
         elif att.ratio == CSA_RATIO:                                             # indexer's top-k entries
             topk = self._indexer_topk(i, att, iq, iw, positions, tables["c4"])
-            ck = c.cmp_kv[i][_rows(tables["c4"], bs, topk.clamp_min(0))].float()   # [B, k, d]
+            ck = c.cmp_kv[i][slot_mapping(tables["c4"], bs, topk.clamp_min(0))].float()   # [B, k, d]
             s = torch.einsum("bhd,bkd->bhk", qf, ck).mul(scale)
             scores.append(s.masked_fill((topk < 0)[:, None], float("-inf")))
         sink = att.attn_sink.float().view(1, -1, 1).expand(B, -1, 1)
@@ -202,10 +198,10 @@ class StaticDecoder:
         """Lightning-indexer top-k (§3.5) over every entry the table can hold, masked to the causal ones."""
         c, bs, idx = self.cache, self.bs, att.indexer
         N = self.widths["c4"] * bs
-        keys = c.idx_kv[i][_rows(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
+        keys = c.idx_kv[i][slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
         s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", iq.float(), keys), iw, idx.head_dim ** -0.5)
         allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
-        return reference._topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
+        return reference.topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
 
     def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
         """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the
@@ -235,7 +231,7 @@ class StaticDecoder:
         # an open window's entry index may lie past the table (the last window of max_model_len):
         # look up entry 0 instead, then send the write to the trash row
         shut = closing[:, 0, 0]
-        rows = _rows(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
+        rows = slot_mapping(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
         pool[torch.where(shut, rows, torch.full_like(rows, trash))] = entry
 
     def _moe(self, moe: MoE, x, tokens):

@@ -1,9 +1,11 @@
-"""A request inside the engine: its tokens, progress and timing."""
+"""A request inside the engine: its tokens, progress and timing, and when it finishes."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+
+from collections.abc import Collection
 
 from engine.core.sampling_params import Sampled, SamplingParams
 
@@ -18,6 +20,20 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"                # EOS or a stop token id
     LENGTH = "length"            # max_new_tokens or the context limit
     ABORT = "abort"              # aborted by the caller
+
+
+def finish_reason(token_id: int, num_output: int, num_tokens: int, params: SamplingParams,
+                  eos_ids: Collection[int], max_model_len: int) -> FinishReason | None:
+    """Whether a sample ends with ``token_id``, its ``num_output``-th generated token, which makes
+    its sequence ``num_tokens`` tokens (prompt + output) long: STOP on an EOS id (unless
+    ``params.ignore_eos``) or one of ``params.stop_token_ids``; else LENGTH at ``max_new_tokens``
+    or at the context limit ``max_model_len``; else None. The one rule for the in-process engine
+    and for a prefill worker deciding on token #1 (P/D must end where in-process does)."""
+    if (token_id in eos_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        return FinishReason.STOP
+    if num_output >= params.max_new_tokens or num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
 
 
 @dataclass

@@ -4,7 +4,9 @@
 at decode it runs the window, compressors, indexer and sparse attention once per request and
 layer, a few dozen small ops each. Here every single-token row whose state lives in the same
 ``PagedCache`` goes through them together: ring / entry / state-slot indices are computed once
-per step (``DecodeRows``), and each layer gathers, updates and attends for all rows at once.
+per step (``DecodeRows``, the model's per-step decode context: ``PagedSequenceState.decode_context``
+builds it, ``Attention.forward`` calls its ``attend``), and each layer gathers, updates and
+attends for all rows at once.
 
 Every row's result is bit-identical to the per-sequence path (``tests/test_batched_decode.py``):
 the same calls on the same per-row shapes (the per-row products go through ``reference.row_scores``
@@ -16,13 +18,17 @@ Letters: B rows, h heads, d head dim, W window, k top-k, N entries, m compress r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import PagedCache, PagedSequenceState
 from engine.config import CSA_RATIO
+from engine.core.block_manager import slot_mapping
 from engine.ops import reference
-from engine.ops.reference import _gemm, _topk_low_index, row_mix, row_scores, weighted_relu_sum
+from engine.ops.reference import gemm, row_mix, row_scores, topk_low_index, weighted_relu_sum
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache import PagedCache
 
 
 NO_BLOCK = 1 << 40                    # block-table padding: past every pool
@@ -40,7 +46,7 @@ class DecodeRows:
     ``[B, max blocks]`` int64 (padded with ``NO_BLOCK``).
     """
 
-    cache: PagedCache
+    cache: "PagedCache"
     seq: list[int]
     rows: torch.Tensor
     positions: torch.Tensor
@@ -52,15 +58,14 @@ class DecodeRows:
     tables: dict[str, torch.Tensor]
 
     @classmethod
-    def build(cls, states: list, spans: list[tuple[int, int, int]], window: int) -> "DecodeRows | None":
-        """The rows of ``spans`` with one token whose state is a ``PagedSequenceState`` of the first
-        such state's cache; None when there are none."""
+    def build(cls, cache: "PagedCache", states: list, spans: list[tuple[int, int, int]],
+              window: int) -> "DecodeRows | None":
+        """The rows of ``spans`` (``(offset, length, start_pos)`` per sequence) with one token whose
+        state is a ``PagedSequenceState`` over ``cache``; None when there are none."""
         pick = [j for j, (st, (_, n, _)) in enumerate(zip(states, spans))
-                if n == 1 and isinstance(st, PagedSequenceState)]
+                if n == 1 and getattr(st, "cache", None) is cache]
         if not pick:
             return None
-        cache = states[pick[0]].cache
-        pick = [j for j in pick if states[j].cache is cache]
         dev, bs, ring = cache.device, cache.config.block_size, cache.geometry.ring_len
         pos = [spans[j][2] for j in pick]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
@@ -80,12 +85,14 @@ class DecodeRows:
                 tables[p] = t
         return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev), positions,
                    pos, torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
-                   _rows(win, bs, wpos % ring), wpos >= 0, _rows(win, bs, (positions % ring)[:, None])[:, 0], tables)
+                   slot_mapping(win, bs, wpos % ring), wpos >= 0,
+                   slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], tables)
 
 
-def _rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
-    """Slot mapping per row: table ``[B, nb]``, logical indices ``idx [B, n]`` -> flat pool rows."""
-    return table.gather(1, idx // bs) * bs + idx % bs
+    def attend(self, att, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
+        """``Attention.forward``'s per-sequence body for these rows of one layer: ``attend_rows``."""
+        return attend_rows(att, self, lstates, x, q, kv, iq, iw)
 
 
 def _groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -109,8 +116,8 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     d = width // 2 if overlap else width
     xf = comp.wkv.quant_input(x).float()
     r = dec.positions % m
-    kv = _gemm(xf, comp.wkv.weight.float())
-    score = _gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
+    kv = gemm(xf, comp.wkv.weight.float())
+    score = gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
     skv, ssc = state_pool
     shut = [i for i, p in enumerate(dec.pos) if p % m == m - 1]
     if len(shut) < len(dec.pos):
@@ -133,7 +140,7 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     e = dec.positions[c] // m
     cos, sin = comp.rope.cos_sin(e * m)
     out = reference.rope(reference.rms_norm(pooled, comp.norm.weight, comp.norm.eps), cos, sin).to(out_dtype)
-    entry_pool[_rows(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
+    entry_pool[slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
     for i in shut:
         entries[i].num_entries += 1
 
@@ -150,7 +157,7 @@ def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entri
         keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
         s = weighted_relu_sum(row_scores(iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
         allowed = torch.ones_like(s, dtype=torch.bool)
-        out[g] = _topk_low_index(s, allowed, idx.topk)
+        out[g] = topk_low_index(s, allowed, idx.topk)
     return out
 
 
@@ -195,11 +202,11 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
         if n and topk is not None:                                             # CSA: the indexer's picks
             t = topk[g]
             valid = t >= 0
-            ck = s0.cmp_kv.pool[_rows(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
+            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
             scores.append(row_scores(kq, ck).mul(scale).masked_fill(~valid[:, None], float("-inf")))
         elif n:                                                                 # HCA: every entry
             idx = torch.arange(n, device=q.device).expand(len(g), n)
-            ck = s0.cmp_kv.pool[_rows(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
+            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
             scores.append(row_scores(kq, ck).mul(scale))
         sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
         logits = torch.cat(scores + [sink], dim=-1)

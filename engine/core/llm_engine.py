@@ -1,27 +1,26 @@
 """The serving engine of one worker: requests in, tokens out, many requests per forward.
 
-``LLMEngine`` = paged state pools (``engine.cache``) + scheduler (``engine.scheduler``) + the model
-+ sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and returns
-what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
+``LLMEngine`` = paged state pools (``engine.core.kv_cache``) + scheduler (``engine.core.scheduler``)
++ the model + sampler. ``step()`` runs one batch (decodes and prefill chunks packed together) and
+returns what each touched request produced. Both P/D roles run it; the offline mode drives it directly.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.cache import (CacheConfig, CacheFullError, Geometry, PagedCache, load_state_tensors, plan_cache, pool_bytes,
-                          state_tensors)
-from engine.config import CSA_RATIO, HCA_RATIO
-from engine.model.transformer import Transformer
-from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
+from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
+from engine.core.kv_cache import PagedCache, size_pools
+from engine.core.pd_state import load_state_tensors, state_tensors
+from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
 from engine.core.sampler import sample
-from engine.scheduler import Scheduler, SchedulerLimits
-from engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerLimits
+from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +40,6 @@ class StepStats:
     sample_s: float = 0.0
     tokens: int = 0
     history: list[tuple[int, int, float, float]] = field(default_factory=list)  # (seqs, tokens, sched_s, model_s)
-
-
-def kv_budget_bytes(model: Transformer, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
-    """State budget (bytes): ``mem_fraction_static`` x memory - weight bytes. Memory is the device
-    total on CUDA / Ascend (``torch.npu`` exists once torch_npu is imported), and the configured
-    ``cpu_memory_bytes`` on CPU, there being no device to query."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    dev = model.embed.weight.device
-    if dev.type in ("cuda", "npu"):
-        total = getattr(torch, dev.type).mem_get_info(dev)[1]
-    else:
-        total = cpu_memory_bytes
-    return int(total * mem_fraction_static) - weights
 
 
 class LLMEngine:
@@ -86,7 +72,7 @@ class LLMEngine:
         self.on_layer_final: Callable[[int, list[tuple[str, int]]], None] | None = None
         self.stats = StepStats()
         self._finished_out: list[RequestOutput] = []
-        # graph-mode decode (engine.runner.DecodeRunner): runs the batch's single-token rows
+        # graph-mode decode (engine.core.model_runner.DecodeRunner): runs the batch's single-token rows
         self.runner = None
 
     @classmethod
@@ -94,37 +80,20 @@ class LLMEngine:
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
               cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None,
               num_reserved_decode_tokens: int = 64, eos_ids: tuple[int, ...] | None = None) -> "LLMEngine":
-        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks) and build the engine.
-
-        ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
-        same token reach and at least ``batch_size`` blocks.
+        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine.
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
-        budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
-        if budget <= 0:
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            raise ValueError(f"mem_fraction_static x memory leaves no room for state: the weights alone take "
-                             f"{weights} bytes; raise mem_fraction_static / cpu_memory_gb")
-        if num_kv_blocks is not None:
-            # HCA blocks: the same token reach as the CSA pool, and at least one per running request
-            c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
-            cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
-            need = pool_bytes(a, model.dtype, cfg)
-            if need > budget:
-                raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
-                                 f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
-        else:
-            cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+        cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks)
         if max_model_len is None:
-            max_model_len = min(a.max_position_embeddings, _capacity(Geometry.of(a, block_size), cfg))
+            max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
         return cls(model, cfg, limits, (a.eos_token_id,) if eos_ids is None else eos_ids)
 
     def max_tokens_per_request(self) -> int:
         """Longest request (tokens) the pools can hold on their own."""
-        return min(_capacity(self.cache.geometry, self.cache.config), self.model.args.max_position_embeddings)
+        return min(self.cache.geometry.capacity(self.cache.config), self.model.args.max_position_embeddings)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -164,10 +133,15 @@ class LLMEngine:
 
     # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
     def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
-        """A held request (``hold_state``, finished) and its state tensors (``cache.state_tensors``
+        """A held request (``hold_state``, finished) and its state tensors (``state_tensors``
         at L = prompt length: the sampled first token is not yet in the state). Raises KeyError."""
         seq = self.held[request_id]
         return seq, state_tensors(self.cache, request_id, seq.num_computed)
+
+    def layer_state(self, request_id: str, num_tokens: int, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer`` of a request's state after ``num_tokens`` tokens (``state_tensors``
+        names; copies, safe to send later): what ``on_layer_final`` announces. Raises KeyError."""
+        return state_tensors(self.cache, request_id, num_tokens, [layer])
 
     def release(self, request_id: str) -> bool:
         """Free a held request's state. False if it holds none."""
@@ -198,7 +172,7 @@ class LLMEngine:
         self.scheduler.num_reserved = len(self.reserved)
 
     def load_state(self, request_id: str, tensors: dict[str, torch.Tensor], layers: list[int] | None = None) -> None:
-        """Write (some layers of) a reserved request's imported state (``cache.state_tensors`` names).
+        """Write (some layers of) a reserved request's imported state (``state_tensors`` names).
 
         Raises:
             KeyError: not reserved. RequestError: tensors that do not match this model (``state``);
@@ -309,8 +283,8 @@ class LLMEngine:
             done = [(s.seq_id, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)
                     if s.hold_state and not s.output_ids and s.num_computed + n == len(s.prompt_ids)]
             if done:
-                def hook(layer: int, done=done, cb=self.on_layer_final):
-                    cb(layer, done)
+                cb = self.on_layer_final
+                hook = lambda layer: cb(layer, done)  # noqa: E731 - this step's finishing prompts
         try:
             hidden = self._forward(batch, ids, tokens, hook)
         except Exception:
@@ -383,12 +357,8 @@ class LLMEngine:
         if s.first_token_time is None:
             s.first_token_time = now
         s.token_times.append(now)
-        p, tok = s.params, smp.token_id
-        reason = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = FinishReason.STOP
-        elif len(s.output_ids) >= p.max_new_tokens or s.num_tokens >= self.limits.max_model_len:
-            reason = FinishReason.LENGTH
+        tok = smp.token_id
+        reason = finish_reason(tok, len(s.output_ids), s.num_tokens, s.params, self.eos_ids, self.limits.max_model_len)
         if reason is not None:
             self.scheduler.finish(s, reason, keep_state=s.hold_state)
             del self.seqs[s.seq_id]
@@ -427,11 +397,3 @@ class LLMEngine:
             self.step()
         return [seqs[r] for r in ids]
 
-
-def _capacity(g: Geometry, cfg: CacheConfig) -> int:
-    """Tokens one request can hold given the growing pools' block counts."""
-    cap = []
-    for p, m in (("c4", CSA_RATIO), ("c128", HCA_RATIO)):
-        if g.blocks_needed(p, 1 << 40):
-            cap.append((cfg.num_blocks.get(p, 0) * g.block_size + 1) * m - 1)
-    return min(cap) if cap else 1 << 40

@@ -17,8 +17,8 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
-from engine.cache import PagedCache
-from engine.sequence import FinishReason, Sequence, SeqStatus
+from engine.core.block_manager import BlockManager
+from engine.core.request import FinishReason, Sequence, SeqStatus
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue (arrival order) and the running set, and their cache holdings."""
 
-    def __init__(self, cache: PagedCache, limits: SchedulerLimits):
+    def __init__(self, cache: BlockManager, limits: SchedulerLimits):
         self.cache, self.limits = cache, limits
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []

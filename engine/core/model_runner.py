@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import PagedCache
-from engine.model.static_decode import StaticDecoder
+from engine.core.kv_cache import PagedCache
+from engine.core.static_decode import StaticDecoder
 from engine.model.transformer import Transformer
 from engine.platform import Platform
 

@@ -1,0 +1,118 @@
+"""The tensors of the paged decode-state pools (reference/dsv4-architecture.md §4).
+
+``PagedCache`` is a ``BlockManager`` (``engine.core.block_manager``: which blocks a request holds)
+that also owns the pool tensors those block ids index; ``sequence_state`` gives the model its
+view of one request (``engine.core.paged_state``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
+from engine.core.block_manager import GROWING, BlockManager, CacheConfig, plan_cache, pool_bytes
+from engine.core.paged_state import PagedSequenceState
+
+
+class PagedCache(BlockManager):
+    """The preallocated pools of one worker: ``BlockManager``'s accounting plus the tensors it indexes.
+
+    Tensors (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset):
+      win[l] ``[(n_win + ring/bs) * bs, d]``; c4_kv[l] ``[n_c4 * bs + 1, d]``, c4_idx[l]
+      ``[n_c4 * bs + 1, dI]``; c128_kv[l] ``[n_c128 * bs + 1, d]``; comp_kv / comp_score[l]
+      ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
+      2*dI]`` fp32 (CSA layers).
+
+    Past the managed blocks each pool has a scratch part no request ever holds, for fixed-shape
+    (graph) decode: ``pad_slot`` (a state slot) and ``pad_win_blocks`` (a window ring) for the
+    padding rows of a batch bucket, and ``trash_row`` (the last row of an entry pool), where a
+    compressor whose window does not close this step writes its unused entry.
+    """
+
+    def __init__(self, args: ModelArgs, config: CacheConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(args, config)
+        self.dtype, self.device = dtype, device
+        g = self.geometry
+        bs, d, dI = config.block_size, args.head_dim, args.index_head_dim
+        n_win = self.pools["win"].num_blocks
+        kv = dict(dtype=dtype, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        S = config.max_seqs
+        ring_blocks = g.blocks_needed("win", 0)
+        self.pad_slot, self.pad_win_blocks = S, list(range(n_win, n_win + ring_blocks))
+        self.win = [torch.zeros((n_win + ring_blocks) * bs, d, **kv) for _ in range(g.num_layers)]
+        self.cmp_kv, self.idx_kv, self.comp, self.idx_comp = {}, {}, {}, {}
+        for l in g.csa_layers:
+            n = self.pools["c4"].num_blocks * bs + 1
+            self.cmp_kv[l], self.idx_kv[l] = torch.zeros(n, d, **kv), torch.zeros(n, dI, **kv)
+            rows = g.state_rows[CSA_RATIO]
+            self.comp[l] = (torch.zeros(S + 1, rows, 2 * d, **f32), torch.zeros(S + 1, rows, 2 * d, **f32))
+            self.idx_comp[l] = (torch.zeros(S + 1, rows, 2 * dI, **f32), torch.zeros(S + 1, rows, 2 * dI, **f32))
+        for l in g.hca_layers:
+            self.cmp_kv[l] = torch.zeros(self.pools["c128"].num_blocks * bs + 1, d, **kv)
+            rows = g.state_rows[HCA_RATIO]
+            self.comp[l] = (torch.zeros(S + 1, rows, d, **f32), torch.zeros(S + 1, rows, d, **f32))
+        self.trash_row = {p: self.pools[p].num_blocks * bs for p in GROWING}
+
+    def reset_slot(self, slot: int) -> None:
+        """Reset a new request's compressor state (CSA previous-window scores at -inf, §3.4)."""
+        for l, (kv, score) in self.comp.items():
+            _reset_comp(kv[slot], score[slot], l in self.idx_comp)
+        for kv, score in self.idx_comp.values():
+            _reset_comp(kv[slot], score[slot], True)
+
+    def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
+        """The model-facing state of ``seq_id`` with ``num_tokens`` tokens already processed.
+        Raises KeyError if it holds nothing."""
+        return PagedSequenceState(self, self.seqs[seq_id], num_tokens)
+
+
+def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:
+    """Empty compressor remainder; CSA's previous-window scores start at -inf (weight 0, §3.4)."""
+    kv.zero_()
+    score.zero_()
+    if overlap:
+        score[CSA_RATIO:2 * CSA_RATIO, : score.shape[1] // 2] = float("-inf")
+
+
+def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) -> int:
+    """State budget (bytes) of ``model`` (a loaded ``Transformer``): ``mem_fraction_static`` x
+    memory - weight bytes. Memory is the device total on CUDA / Ascend (``torch.npu`` exists once
+    torch_npu is imported), and the configured ``cpu_memory_bytes`` on CPU, there being no device
+    to query."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dev = model.embed.weight.device
+    if dev.type in ("cuda", "npu"):
+        total = getattr(torch, dev.type).mem_get_info(dev)[1]
+    else:
+        total = cpu_memory_bytes
+    return int(total * mem_fraction_static) - weights
+
+
+def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: float, cpu_memory_bytes: int,
+               num_kv_blocks: int | None = None) -> CacheConfig:
+    """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``.
+
+    ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
+    same token reach and at least ``batch_size`` blocks. None: ``plan_cache`` fills the budget.
+    Raises:
+        ValueError: no budget left after the weights, or ``num_kv_blocks`` over it.
+    """
+    a = model.args
+    budget = kv_budget_bytes(model, mem_fraction_static, cpu_memory_bytes)
+    if budget <= 0:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise ValueError(f"mem_fraction_static x memory leaves no room for state: the weights alone take "
+                         f"{weights} bytes; raise mem_fraction_static / cpu_memory_gb")
+    if num_kv_blocks is not None:
+        # HCA blocks: the same token reach as the CSA pool, and at least one per running request
+        c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
+        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
+        need = pool_bytes(a, model.dtype, cfg)
+        if need > budget:
+            raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
+                             f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
+    else:
+        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+    return cfg

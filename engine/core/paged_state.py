@@ -1,0 +1,108 @@
+"""One request's decode state over the paged pools, as the model reads and writes it.
+
+``PagedSequenceState`` / ``PagedLayerState`` / ``PagedEntries`` have the interfaces of the
+contiguous ``engine.model.state`` classes (``SequenceState`` / ``LayerState`` / ``GrowBuffer``), their
+rows reached through block tables (``slot_mapping``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import CSA_RATIO
+from engine.core.batched_decode import DecodeRows
+from engine.core.block_manager import SeqBlocks, slot_mapping
+from engine.model.state import CompressorState
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache import PagedCache
+
+
+class PagedEntries:
+    """Compressed entries of one request in one pool tensor: the ``GrowBuffer`` interface."""
+
+    def __init__(self, pool: torch.Tensor, table: torch.Tensor, bs: int, num_entries: int):
+        self.pool, self.table, self.bs, self.num_entries = pool, table, bs, num_entries
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Write ``rows [n, D]`` as entries ``num_entries ..``."""
+        n = rows.shape[0]
+        if n:
+            idx = torch.arange(self.num_entries, self.num_entries + n, device=self.pool.device)
+            self.pool[slot_mapping(self.table, self.bs, idx)] = rows
+            self.num_entries += n
+
+    def view(self) -> torch.Tensor:
+        """All entries ``[N, D]`` gathered in order (a copy)."""
+        idx = torch.arange(self.num_entries, device=self.pool.device)
+        return self.pool[slot_mapping(self.table, self.bs, idx)]
+
+
+class PagedLayerState:
+    """One layer of one request over the pools: the ``engine.model.state.LayerState`` interface."""
+
+    def __init__(self, cache: "PagedCache", layer: int, held: SeqBlocks, tables: dict[str, torch.Tensor],
+                 num_tokens: int):
+        g, bs = cache.geometry, cache.config.block_size
+        self.bs, self.ring, self.window = bs, g.ring_len, cache.args.sliding_window
+        self.win_pool, self.win_table = cache.win[layer], tables["win"]
+        self.cmp_kv = self.comp = self.idx_kv = self.idx_comp = None
+        # the whole state pools of this layer, for decode rows batched across requests
+        self.comp_pool, self.idx_comp_pool = cache.comp.get(layer), cache.idx_comp.get(layer)
+        ratio = cache.args.compress_ratios[layer]
+        if ratio:
+            table = tables["c4" if ratio == CSA_RATIO else "c128"]
+            self.cmp_kv = PagedEntries(cache.cmp_kv[layer], table, bs, num_tokens // ratio)
+            self.comp = _comp_view(cache.comp[layer], held.state_slot, ratio)
+        if ratio == CSA_RATIO:
+            self.idx_kv = PagedEntries(cache.idx_kv[layer], tables["c4"], bs, num_tokens // ratio)
+            self.idx_comp = _comp_view(cache.idx_comp[layer], held.state_slot, ratio)
+
+    def ring_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat window-pool rows of token ``positions`` (long) in this request's ring."""
+        return slot_mapping(self.win_table, self.bs, positions % self.ring)
+
+    def window_keys(self, new_kv: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, int]:
+        """As ``LayerState.window_keys``: ring history + ``new_kv``, and the first row's position."""
+        n_hist = min(start_pos, self.window - 1)
+        if n_hist == 0:
+            return new_kv, start_pos
+        pos = torch.arange(start_pos - n_hist, start_pos, device=new_kv.device)
+        return torch.cat([self.win_pool[self.ring_rows(pos)], new_kv]), start_pos - n_hist
+
+    def write_window(self, new_kv: torch.Tensor, start_pos: int) -> None:
+        """Store the last ``min(T, ring)`` rows of ``new_kv`` at their ring slots."""
+        T = new_kv.shape[0]
+        keep = min(T, self.ring)
+        pos = torch.arange(start_pos + T - keep, start_pos + T, device=new_kv.device)
+        self.win_pool[self.ring_rows(pos)] = new_kv[T - keep:]
+
+
+def _comp_view(tensors: tuple[torch.Tensor, torch.Tensor], slot: int, ratio: int) -> CompressorState:
+    """``CompressorState`` whose tensors are views into the state pool (updated in place)."""
+    kv, score = tensors[0][slot], tensors[1][slot]
+    if ratio != CSA_RATIO:
+        return CompressorState(kv[:ratio], score[:ratio])
+    d = kv.shape[1] // 2
+    return CompressorState(kv[:ratio], score[:ratio], kv[ratio:2 * ratio, :d], score[ratio:2 * ratio, :d])
+
+
+class PagedSequenceState:
+    """A request's decode state over the pools: the ``engine.model.state.SequenceState`` interface."""
+
+    def __init__(self, cache: "PagedCache", held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None):
+        # block tables as tensors once per step, shared by all layers; ``layers``: build only these
+        # (the others are None), e.g. when P/D extracts one finished layer
+        tables = {p: torch.tensor(b, dtype=torch.long, device=cache.device) for p, b in held.tables.items()}
+        self.cache, self.held = cache, held
+        keep = None if layers is None else set(layers)
+        self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) if keep is None or l in keep else None
+                       for l in range(cache.geometry.num_layers)]
+        self.num_tokens = num_tokens
+
+    def decode_context(self, states: list, spans: list[tuple[int, int, int]], window: int) -> DecodeRows | None:
+        """The model's per-step batched-decode context (``Transformer.forward_batch``): the
+        single-token rows of ``states`` over this state's pools, run together (``DecodeRows``)."""
+        return DecodeRows.build(self.cache, states, spans, window)

@@ -1,0 +1,145 @@
+"""A request's decode state as named tensors: what a prefill worker ships to a decode worker.
+
+The names, shapes and dtypes are reference/dsv4-architecture.md §4's (no padding, no null
+blocks); ``state_tensors`` exports them from the pools, ``load_state_tensors`` imports them.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import CSA_RATIO
+from engine.core.paged_state import PagedSequenceState
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache import PagedCache
+
+
+# ---- a request's state as named tensors (what P ships to D, reference §4) ----------------------
+def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable[int] | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """The live decode state of ``seq_id`` after ``num_tokens`` (= L) tokens, no padding.
+
+    Per layer l: ``layers.l.win_kv`` ``[min(L, W-1), d]`` (positions L-W+1 .. L-1: what step L
+    reads); CSA / HCA ``layers.l.cmp_kv`` ``[floor(L/m), d]``; CSA ``layers.l.idx_kv``
+    ``[floor(L/4), dI]``; compressor remainders ``layers.l.{comp,idx_comp}.{kv,score}``
+    ``[L mod m, c*d]`` fp32 (score with ape added) and, once a CSA window has closed,
+    ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous). ``layers``: only
+    these layers (P/D pushes each layer as soon as its state is final).
+    """
+    st = PagedSequenceState(cache, cache.seqs[seq_id], num_tokens, layers)
+    out: dict[str, torch.Tensor] = {}
+    for l, layer in enumerate(st.layers):
+        if layer is None:
+            continue
+        n = min(num_tokens, layer.window - 1)
+        pos = torch.arange(num_tokens - n, num_tokens, device=layer.win_pool.device)
+        out.update(layer_state_tensors(l, layer, layer.win_pool[layer.ring_rows(pos)], num_tokens))
+    return out
+
+
+def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+    """Layer ``l``'s ``state_tensors`` entries from a ``PagedLayerState`` or a contiguous
+    ``engine.model.state.LayerState`` (same attributes) after ``num_tokens`` tokens; ``win_kv``: its
+    window rows, positions L-n .. L-1. Entries are ``view()`` results, remainders copies."""
+    out = {f"layers.{l}.win_kv": win_kv}
+    for name in ("cmp_kv", "idx_kv"):
+        ent = getattr(layer, name)
+        if ent is not None:
+            out[f"layers.{l}.{name}"] = ent.view()
+    for name in ("comp", "idx_comp"):
+        comp = getattr(layer, name)
+        if comp is None:
+            continue
+        m = comp.kv.shape[0]
+        out[f"layers.{l}.{name}.kv"] = comp.kv[: num_tokens % m].clone()
+        out[f"layers.{l}.{name}.score"] = comp.score[: num_tokens % m].clone()
+        if comp.prev_kv is not None and num_tokens >= m:
+            out[f"layers.{l}.{name}.prev_kv"] = comp.prev_kv.clone()
+            out[f"layers.{l}.{name}.prev_score"] = comp.prev_score.clone()
+    return out
+
+
+def expected_shapes(cache: "PagedCache", num_tokens: int, layers: Iterable[int] | None = None
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) that ``state_tensors`` gives for L = ``num_tokens`` on this model."""
+    a, L = cache.args, num_tokens
+    d, dI, kv = a.head_dim, a.index_head_dim, cache.dtype
+    out = {}
+    for l in (range(cache.geometry.num_layers) if layers is None else layers):
+        out[f"layers.{l}.win_kv"] = ((min(L, a.sliding_window - 1), d), kv)
+        m = a.compress_ratios[l]
+        if not m:
+            continue
+        out[f"layers.{l}.cmp_kv"] = ((L // m, d), kv)
+        comps = [("comp", d)] + ([("idx_comp", dI)] if m == CSA_RATIO else [])
+        if m == CSA_RATIO:
+            out[f"layers.{l}.idx_kv"] = ((L // m, dI), kv)
+        for name, w in comps:
+            width = 2 * w if m == CSA_RATIO else w
+            out[f"layers.{l}.{name}.kv"] = ((L % m, width), torch.float32)
+            out[f"layers.{l}.{name}.score"] = ((L % m, width), torch.float32)
+            if m == CSA_RATIO and L >= m:
+                out[f"layers.{l}.{name}.prev_kv"] = ((m, w), torch.float32)
+                out[f"layers.{l}.{name}.prev_score"] = ((m, w), torch.float32)
+    return out
+
+
+def check_state_tensors(cache, num_tokens: int, tensors: dict[str, torch.Tensor],
+                        layers: Iterable[int] | None = None) -> list[int] | None:
+    """Check ``tensors`` against ``expected_shapes`` for L = ``num_tokens`` (``cache``: anything
+    with ``args``, ``geometry`` and ``dtype``, e.g. a ``PagedCache``). Returns ``layers`` sorted
+    and deduplicated (None: all).
+
+    Raises:
+        ValueError: a layer out of range, a missing / extra tensor, or another shape / dtype.
+    """
+    if layers is not None:
+        layers = sorted(set(layers))
+        if any(not 0 <= l < cache.geometry.num_layers for l in layers):
+            raise ValueError(f"layers {layers}: the model has {cache.geometry.num_layers}")
+    want = expected_shapes(cache, num_tokens, layers)
+    if set(tensors) != set(want):
+        missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+        raise ValueError(f"state for L={num_tokens}: missing {missing[:4]}, unexpected {extra[:4]}")
+    for k, (shape, dtype) in want.items():
+        t = tensors[k]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"state tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    return layers
+
+
+def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+                       layers: Iterable[int] | None = None) -> None:
+    """Write ``state_tensors`` output into ``seq_id``'s (already allocated, freshly reset) state;
+    ``layers``: only these layers (each written once).
+
+    Raises:
+        ValueError: as ``check_state_tensors`` (nothing is half-written: everything is checked
+            before the first write).
+    """
+    layers = check_state_tensors(cache, num_tokens, tensors, layers)
+    st = PagedSequenceState(cache, cache.seqs[seq_id], 0, layers)
+    for l, layer in enumerate(st.layers):
+        if layer is None:
+            continue
+        win = tensors[f"layers.{l}.win_kv"]
+        pos = torch.arange(num_tokens - win.shape[0], num_tokens, device=layer.win_pool.device)
+        layer.win_pool[layer.ring_rows(pos)] = win.to(layer.win_pool.device)
+        for name in ("cmp_kv", "idx_kv"):
+            ent = getattr(layer, name)
+            if ent is not None:
+                ent.append(tensors[f"layers.{l}.{name}"].to(ent.pool.device))
+        for name in ("comp", "idx_comp"):
+            comp = getattr(layer, name)
+            if comp is None:
+                continue
+            r = num_tokens % comp.kv.shape[0]
+            comp.kv[:r] = tensors[f"layers.{l}.{name}.kv"]
+            comp.score[:r] = tensors[f"layers.{l}.{name}.score"]
+            if f"layers.{l}.{name}.prev_kv" in tensors:
+                comp.prev_kv.copy_(tensors[f"layers.{l}.{name}.prev_kv"])
+                comp.prev_score.copy_(tensors[f"layers.{l}.{name}.prev_score"])
+
