@@ -1,6 +1,6 @@
 """What the gateway talks to: one sample in, a stream of token-id events out.
 
-The gateway (``server.gateway``) turns an OpenAI request into ``GenRequest`` samples and consumes
+The gateway (``server.gateway.app``) turns an OpenAI request into ``GenRequest`` samples and consumes
 ``TokenEvent`` streams; it never sees workers. Two backends implement ``Backend``:
 
 - ``server.router.PDBackend``: the P/D path (decode reserves, prefill computes and pushes state,

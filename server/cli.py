@@ -295,7 +295,7 @@ def run_gateway(args) -> int:
     import uvicorn
 
     from engine.tokenizer import Tokenizer
-    from server.gateway import create_app
+    from server.gateway.app import create_app
     from server.router import PDBackend, parse_addrs
     cfg = _load_config(args) if args.config else None
     model_dir = args.model or (cfg.model_config.model_path if cfg else None)
@@ -319,7 +319,7 @@ def run_gateway(args) -> int:
                      request_timeout_s=args.request_timeout_s or None)
     port = args.port or _env_int("ROUTER_HTTP_PORT", 8000)
     log.info("gateway on http://%s:%d: prefill %s, decode %s", args.host, port, pre, dec)
-    from server.gateway_server import GatewayServer
+    from server.gateway.uvicorn_server import GatewayServer
     server = GatewayServer(app, uvicorn.Config(app, host=args.host, port=port, log_level="warning", access_log=False,
                                                timeout_graceful_shutdown=5), args.drain_timeout_s)
     server.run()

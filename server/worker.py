@@ -38,7 +38,7 @@ from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
 from server.messages import MessageError, pack, set_heartbeat, unpack
 from server.metrics import CONTENT_TYPE, WorkerMetrics
-from server.protocol import error_body
+from server.gateway.protocol import error_body
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ THINK_END_ID = 128822          # </think> in the DeepSeek-V4 tokenizer
 
 
 def reasoning_from_ids(ids, starts_in_reasoning: bool, skip=()) -> int:
-    """The gateway's reasoning-token count (``server/recipe_stream.py``, vLLM's way): the output ids
+    """The gateway's reasoning-token count (``server/gateway/recipe_stream.py``, vLLM's way): the output ids
     before ``</think>`` in thinking mode, BOS / EOS and the positions in ``skip`` (a text-less final
     stop token) excepted. DeepSeek's recipe re-encodes the reasoning text instead, which can differ."""
     if not starts_in_reasoning:

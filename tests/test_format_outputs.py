@@ -1,8 +1,9 @@
 """Output processing through the real gateway equals DeepSeek's recipe for the same token ids.
 
 The gateway parses model output with DeepSeek's own library (``deepseek_recipe``): one
-``StreamProcessor`` per sample, fed by ``server.recipe_stream.RecipeAssembler`` under vLLM's token
-rules, shaped per API by ``server.chat_completions`` / ``server.responses_messages``. This module
+``StreamProcessor`` per sample, fed by ``server.gateway.recipe_stream.RecipeAssembler`` under vLLM's token
+rules, shaped per API by ``server.gateway.chat_completions`` / ``server.gateway.responses`` /
+``server.gateway.messages``. This module
 checks that nothing is lost or changed on the way: for a corpus of model outputs (text tokenised
 with the tiny checkpoint's real DeepSeek-V4 tokenizer, EOS appended where the output ends with
 finish "stop"; the others end by "length") the expected value is computed here by feeding the same
@@ -42,10 +43,10 @@ from engine.core.sampling_params import Sampled
 from engine.tokenizer import Tokenizer
 from serve_util import ScriptedBackend, reasoning_from_ids, set_reasoning_usage
 from server.backend import TokenEvent
-from server.chat_completions import prepare_chat
-from server.dsformat import DeepSeekFormat
-from server.gateway import create_app
-from server.protocol import ChatCompletionRequest
+from server.gateway.chat_completions import prepare_chat
+from server.gateway.dsformat import DeepSeekFormat
+from server.gateway.app import create_app
+from server.gateway.protocol import ChatCompletionRequest
 
 MODEL = "deepseek_v4"
 CHAT = "/v1/chat/completions"
@@ -565,7 +566,7 @@ def test_every_split_point_at_the_job_level(stack, stream):
 
 
 def drive_job(st: Stack, body: dict, events: list[list[int]], finish: str):
-    """Run a chat job over scripted events the way ``server.gateway.Generation`` does (feed until
+    """Run a chat job over scripted events the way ``server.gateway.generation.Generation`` does (feed until
     the assembler finishes; abort if the events end first). Returns (job, assemblers, SSE texts)."""
     job = prepare_chat(ChatCompletionRequest.model_validate(body), st.fmt, st.tok, MAX_LEN, 8)
     asms = {s.index: job.assembler(s) for s in job.samples}

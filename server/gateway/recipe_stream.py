@@ -26,8 +26,8 @@ import deepseek_recipe as dr
 
 from engine.core.sampling_params import Sampled
 from server.backend import TokenEvent
-from server.dsformat import finish_reason
-from server.jobs import Piece
+from server.gateway.dsformat import finish_reason
+from server.gateway.jobs import Piece
 
 
 def _lps(x: Sampled | None):

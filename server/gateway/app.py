@@ -4,17 +4,18 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages,
-/v1/messages/count_tokens (Anthropic); GET /v1/models, /v1/models/{id}, /health, /metrics. A request becomes a ``server.jobs.Job`` of samples
+/v1/messages/count_tokens (Anthropic); GET /v1/models, /v1/models/{id}, /health, /metrics. A request
+becomes a ``server.gateway.jobs.Job`` of samples
 (one backend stream each, run concurrently); the job shapes their pieces as a JSON body or SSE
 messages. The chat format (rendering, encoding, output parsing) is DeepSeek's own library, through
-``server.dsformat``. Errors use the API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere):
+``server.gateway.dsformat``. Errors use the API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere):
 400 for bad input (pydantic's 422 included), 404 for an unknown model, ``BackendError.status`` for
 the backend, 500 only for a server fault. A streamed request answers with HTTP headers once the
 first token (or a refusal) arrives, so a backend refusal keeps its status; an error after that is
 a final error event in the API's form.
 
 A client that disconnects (streamed or not) has its samples' backend iterators closed, which
-aborts them and frees their state (``server.generation`` runs the samples and records the metrics).
+aborts them and frees their state (``server.gateway.generation`` runs the samples and records the metrics).
 """
 from __future__ import annotations
 
@@ -33,16 +34,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backend import Backend, BackendError
-from server.body_limit import BodyLimit
-from server.chat_completions import prepare_chat
-from server.completions import TokenStrings, prepare_completion
-from server.dsformat import DeepSeekFormat
-from server.generation import ClientGone, Generation
-from server.jobs import Job, Piece, Sample
+from server.gateway.body_limit import BodyLimit
+from server.gateway.chat_completions import prepare_chat
+from server.gateway.completions import TokenStrings, prepare_completion
+from server.gateway.dsformat import DeepSeekFormat
+from server.gateway.generation import ClientGone, Generation
+from server.gateway.jobs import Job, Piece, Sample
+from server.gateway.messages import count_message_tokens, prepare_messages
+from server.gateway.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, MessagesCountRequest,
+                                     MessagesRequest, ResponsesRequest, error_body_for)
+from server.gateway.responses import prepare_responses
 from server.metrics import CONTENT_TYPE, GatewayMetrics
-from server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, MessagesCountRequest, MessagesRequest,
-                             ResponsesRequest, error_body_for)
-from server.responses_messages import count_message_tokens, prepare_messages, prepare_responses
 
 log = logging.getLogger(__name__)
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
@@ -135,7 +137,7 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
         model_name: the served model name; a request's ``model`` must equal it (else 404).
         default_thinking: thinking mode of a chat / Responses / Messages request that does not
             choose (``thinking``, ``reasoning_effort``, ``chat_template_kwargs.thinking``).
-        fmt: the chat format (``server.dsformat.DeepSeekFormat``); built from the tokenizer's
+        fmt: the chat format (``server.gateway.dsformat.DeepSeekFormat``); built from the tokenizer's
             checkpoint directory by default.
         max_n: most choices per request (``n`` x prompts).
         api_keys: if given, /v1/* need ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
@@ -149,9 +151,9 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
             request ends with 504 and both workers free its state. A non-streamed request from an
             openai SDK without either gets its client timeout (``X-Stainless-Read-Timeout``).
         max_body_bytes: the largest request body (bytes; 32 MiB by default, room for a 1M-token
-            context of text); a larger one gets 413 before it is read (``server.body_limit``).
+            context of text); a larger one gets 413 before it is read (``server.gateway.body_limit``).
 
-    ``app.state.drain(timeout_s)`` (SIGTERM, see ``server.gateway_server``): /health answers 503
+    ``app.state.drain(timeout_s)`` (SIGTERM, see ``server.gateway.uvicorn_server``): /health answers 503
     and new requests 503 at once; in-flight requests get ``timeout_s`` to finish, then end with a
     503 error event.
     """
