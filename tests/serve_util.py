@@ -32,7 +32,7 @@ def serve_app(app, start_timeout_s: float = 30) -> Iterator[str]:
 
 
 class ScriptedBackend:
-    """A ``server.backend.Backend`` whose samples emit scripted token ids: the gateway's text path
+    """A ``server.backends.base.Backend`` whose samples emit scripted token ids: the gateway's text path
     (recipe conversion, encoding, output parsing, shaping) checked without a model, for outputs a
     random tiny model never writes (DSML tool calls, ``</think>``).
 
@@ -49,7 +49,7 @@ class ScriptedBackend:
         self.requests: list = []
 
     async def generate(self, req):
-        from server.backend import TokenEvent
+        from server.backends.base import TokenEvent
         self.requests.append(req)
         ids, reason = self._script(req.prompt_ids) if callable(self._script) else self._script
         full = list(ids)

@@ -23,9 +23,9 @@ import pytest
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.tokenizer import Tokenizer
-from server.gateway.body_limit import BodyLimit
+from server.backends.local import LocalBackend
 from server.gateway.app import create_app
-from server.local import LocalBackend
+from server.gateway.body_limit import BodyLimit
 from serve_util import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]

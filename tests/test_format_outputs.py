@@ -42,10 +42,10 @@ import pytest
 from engine.core.sampling_params import Sampled
 from engine.tokenizer import Tokenizer
 from serve_util import ScriptedBackend, reasoning_from_ids, set_reasoning_usage
-from server.backend import TokenEvent
+from server.backends.base import TokenEvent
+from server.gateway.app import create_app
 from server.gateway.chat_completions import prepare_chat
 from server.gateway.dsformat import DeepSeekFormat
-from server.gateway.app import create_app
 from server.gateway.protocol import ChatCompletionRequest
 
 MODEL = "deepseek_v4"

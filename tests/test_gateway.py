@@ -22,11 +22,11 @@ from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from server.backend import BackendError, TokenEvent
+from server.backends.base import BackendError, TokenEvent
+from server.backends.local import LocalBackend
+from server.gateway.app import create_app
 from server.gateway.completions import TokenStrings, prepare_completion
 from server.gateway.dsformat import DeepSeekFormat
-from server.gateway.app import create_app
-from server.local import LocalBackend
 from serve_util import serve_app
 from server.gateway.protocol import CompletionRequest
 

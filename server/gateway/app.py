@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.backend import Backend, BackendError
+from server.backends.base import Backend, BackendError
 from server.gateway.body_limit import BodyLimit
 from server.gateway.chat_completions import prepare_chat
 from server.gateway.completions import TokenStrings, prepare_completion
@@ -132,7 +132,7 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
     """The gateway app.
 
     Args:
-        backend: serves samples (``server.backend.Backend``).
+        backend: serves samples (``server.backends.base.Backend``).
         tokenizer: ``engine.tokenizer.Tokenizer`` of the served model (completions, logprob strings).
         model_name: the served model name; a request's ``model`` must equal it (else 404).
         default_thinking: thinking mode of a chat / Responses / Messages request that does not

@@ -12,10 +12,10 @@ import asyncio
 import logging
 import time
 
-from server.backend import Backend, BackendError, GenRequest
+from server.backends.base import Backend, BackendError, GenRequest
 from server.gateway.jobs import Job, Piece, Sample
-from server.metrics import GatewayMetrics
 from server.gateway.protocol import ApiError
+from server.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()

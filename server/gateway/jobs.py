@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.sampling_params import SamplingError, SamplingParams
-from server.backend import TokenEvent
+from server.backends.base import TokenEvent
 from server.gateway.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError
 
 _U64 = 1 << 64

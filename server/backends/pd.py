@@ -27,57 +27,17 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer.secure import cluster_keys, secure_client
-from server.backend import BackendError, GenRequest, TokenEvent
-from server.messages import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
+from server.backends.base import BackendError, GenRequest, TokenEvent
+from server.backends.instances import Instance
+from server.workers.rpc import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
 
 log = logging.getLogger(__name__)
-
-
-def parse_addrs(value: str | list[str] | None, default_port: int) -> list[str]:
-    """``"h1 h2:5600,h3"`` -> ``["h1:<default_port>", "h2:5600", "h3:<default_port>"]``.
-    Raises ValueError naming a bad entry."""
-    if value is None:
-        return []
-    items = value if isinstance(value, list) else value.replace(",", " ").split()
-    out = []
-    for it in items:
-        host, _, port = it.strip().rpartition(":") if ":" in it else (it.strip(), "", str(default_port))
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"instance address {it!r}: expected host or host:port")
-        out.append(f"{host}:{int(port)}")
-    return out
-
-
-@dataclass
-class Instance:
-    """One worker instance as the gateway sees it."""
-
-    role: str
-    addr: str
-    sock: zmq.asyncio.Socket
-    load: dict = field(default_factory=dict)
-    unanswered: int = 1 << 30         # pings sent since its last message (counted by the pinger, so a
-    inflight: int = 0                 # busy gateway loop cannot make a live instance look stale)
-    connected: bool = False           # ZMTP handshake done and heartbeats answered
-    instance_id: str | None = None    # of the process behind addr (a new one: it restarted)
-    legs: set[str] = field(default_factory=set)     # transfer ids with a leg here
-
-    def healthy(self, max_unanswered: int) -> bool:
-        return self.connected and bool(self.load.get("ready")) and self.unanswered <= max_unanswered
-
-    def score(self) -> float:
-        ld = self.load
-        if self.role == "decode":
-            busy = ld.get("running", 0) + ld.get("reserved", 0) + ld.get("queued", 0) + self.inflight
-            return busy / max(1, ld.get("batch_size", 1)) + ld.get("kv_usage", 0.0)
-        return self.inflight + ld.get("waiting", 0)
 
 
 class _Lost(Exception):
@@ -85,7 +45,7 @@ class _Lost(Exception):
 
 
 class PDBackend:
-    """Implements ``server.backend.Backend`` over prefill / decode workers.
+    """Implements ``server.backends.base.Backend`` over prefill / decode workers.
 
     Args:
         prefill_addrs / decode_addrs: ``host:port`` of each instance's request endpoint.
