@@ -4,18 +4,19 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages,
-/v1/messages/count_tokens (Anthropic); GET /v1/models, /v1/models/{id}, /health, /metrics. A request
-becomes a ``server.gateway.jobs.Job`` of samples
-(one backend stream each, run concurrently); the job shapes their pieces as a JSON body or SSE
+/v1/messages/count_tokens (Anthropic); GET /v1/models, /v1/models/{id}, /health, /metrics. Each
+API's module (``completions``, ``chat_completions``, ``responses``, ``messages``) turns a request
+into a ``server.gateway.jobs.Job`` of samples; ``Gateway`` runs every job the same way (one backend
+stream per sample, run concurrently) and the job shapes their pieces as a JSON body or SSE
 messages. The chat format (rendering, encoding, output parsing) is DeepSeek's own library, through
-``server.gateway.dsformat``. Errors use the API's shape (Anthropic's under /v1/messages, OpenAI's elsewhere):
-400 for bad input (pydantic's 422 included), 404 for an unknown model, ``BackendError.status`` for
-the backend, 500 only for a server fault. A streamed request answers with HTTP headers once the
-first token (or a refusal) arrives, so a backend refusal keeps its status; an error after that is
-a final error event in the API's form.
+``server.gateway.dsformat``. Errors use the API's shape (``server.gateway.errors``): 400 for bad
+input, 404 for an unknown model, ``BackendError.status`` for the backend, 500 only for a server
+fault. A streamed request answers with HTTP headers once the first token (or a refusal) arrives, so
+a backend refusal keeps its status; an error after that is a final error event in the API's form.
 
 A client that disconnects (streamed or not) has its samples' backend iterators closed, which
-aborts them and frees their state (``server.gateway.generation`` runs the samples and records the metrics).
+aborts them and frees their state (``server.gateway.generation`` runs the samples and records the
+metrics).
 """
 from __future__ import annotations
 
@@ -29,25 +30,23 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.backends.base import Backend, BackendError
 from server.gateway.body_limit import BodyLimit
 from server.gateway.chat_completions import prepare_chat
 from server.gateway.completions import TokenStrings, prepare_completion
 from server.gateway.dsformat import DeepSeekFormat
+from server.gateway.errors import install_error_handlers
 from server.gateway.generation import ClientGone, Generation
 from server.gateway.jobs import Job, Piece, Sample
 from server.gateway.messages import count_message_tokens, prepare_messages
 from server.gateway.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, MessagesCountRequest,
-                                     MessagesRequest, ResponsesRequest, error_body_for)
+                                     MessagesRequest, ResponsesRequest)
 from server.gateway.responses import prepare_responses
 from server.metrics import CONTENT_TYPE, GatewayMetrics
 
 log = logging.getLogger(__name__)
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "null"}
 
 
 async def _watch_disconnect(request: Request, gen: Generation) -> None:
@@ -91,36 +90,135 @@ async def _stream(job: Job, gen: Generation, first: tuple[Sample, Piece], watche
         gen.cancel()
 
 
-# ---- errors -------------------------------------------------------------------------------------------
-def _error(request: Request, status: int, message: str, param: str | None = None) -> JSONResponse:
-    if status < 500:             # an operator sees refused requests (server faults are logged where they happen)
-        log.info("%s %s -> %d %s", request.method, request.url.path, status, message[:200])
-    retry = {"Retry-After": "1"} if status in (429, 503) else None      # overloaded / draining: come back
-    return JSONResponse(error_body_for(request.url.path, message, status, param), status_code=status,
-                        headers=retry)
+class Gateway:
+    """What the routes share: the backend, the chat format and tokenizer, the metrics, and the
+    request path every generation endpoint takes (admission, the in-flight bound, deadlines, serving
+    a job as JSON or SSE). Arguments as ``create_app``'s."""
+
+    def __init__(self, backend: Backend, tokenizer, model_name: str, *, default_thinking: bool,
+                 fmt: DeepSeekFormat | None, max_n: int, api_keys: Sequence[str] | None,
+                 metrics: GatewayMetrics | None, max_pending: int, request_timeout_s: float | None):
+        self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
+        self.metrics = metrics or GatewayMetrics(model_name)
+        self.strings = TokenStrings(tokenizer)
+        self.fmt = fmt or DeepSeekFormat(tokenizer.model_dir, model_name, default_thinking, tokenizer.max_token_chars)
+        self.max_n, self.max_pending, self.request_timeout_s = max_n, max_pending, request_timeout_s
+        self.created = int(time.time())
+        self.keys = frozenset(api_keys or ())
+        self.draining = False
+        self.live: set[Generation] = set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503), give the live ones ``timeout_s`` seconds, then fail the rest."""
+        self.draining = True
+        end = time.monotonic() + timeout_s
+        while self.live and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        for g in list(self.live):
+            g.fail(BackendError("the gateway is shutting down (drain deadline)", 503))
+        end = time.monotonic() + 2.0                 # let the error events go out
+        while self.live and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+
+    async def auth(self, request: Request) -> None:
+        """Raises ApiError 401 unless the request carries one of the API keys (when there are any)."""
+        if self.keys:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            given = token.strip().encode() if scheme.lower() == "bearer" else b""
+            if not given:
+                given = request.headers.get("x-api-key", "").strip().encode()
+            # compare with every key, constant time each: no timing hint of which prefix matched
+            if not sum(hmac.compare_digest(given, k.encode()) for k in self.keys):
+                raise ApiError("invalid or missing API key", 401)
+
+    def check_model(self, name: str | None) -> None:
+        """Raises ApiError 404 when ``name`` is given and is not the served model."""
+        if name is not None and name != self.model_name:
+            raise ApiError(f"model: the model `{name}` does not exist (served: `{self.model_name}`)", 404, "model")
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "dsv4-pd",
+                "root": self.model_name, "parent": None, "max_model_len": self.backend.max_model_len}
+
+    def admit(self, request: Request, arrival: float) -> float | None:
+        """The request's deadline (monotonic s; None: none). Raises ApiError 503 (draining) or 400
+        (a bad X-Request-Timeout)."""
+        if self.draining:
+            raise ApiError("the gateway is shutting down; retry on another replica", 503)
+        h = request.headers.get("x-request-timeout")
+        if h is None:
+            return None if self.request_timeout_s is None else arrival + self.request_timeout_s
+        try:
+            v = float(h)
+        except ValueError:
+            v = -1.0
+        if not 0 < v <= 1e7:
+            raise ApiError("X-Request-Timeout: expected seconds in (0, 1e7]", 400, "X-Request-Timeout")
+        return arrival + v
+
+    async def handle(self, req, request: Request, texts: tuple[str, ...], prepare) -> Response:
+        """Admit, check the model and the text fields, build the job off the event loop, serve it."""
+        arrival = time.monotonic()
+        deadline = self.admit(request, arrival)
+        self.check_model(req.model)
+        for f in texts:
+            _check_utf8(getattr(req, f), f)
+        job = await asyncio.to_thread(prepare, req)
+        return await self.serve(job, request, arrival, deadline)
+
+    async def serve(self, job: Job, request: Request, arrival: float, deadline: float | None) -> Response:
+        """Run ``job``'s samples: a JSON body, or SSE whose headers wait for token #1 (so a refusal
+        keeps its status). Raises ApiError 400 / 429 over the in-flight bound."""
+        read_timeout = request.headers.get("x-stainless-read-timeout")    # the openai SDKs' own timeout
+        if deadline is None and not job.stream and read_timeout:
+            with contextlib.suppress(ValueError):           # the client gives up then: free the state then
+                if 0 < float(read_timeout) <= 1e7:
+                    deadline = arrival + float(read_timeout)
+        pending = sum(len(g.job.samples) for g in self.live)
+        if len(job.samples) > self.max_pending:
+            raise ApiError(f"n: {len(job.samples)} choices exceed this gateway's limit of {self.max_pending} "
+                           "samples in flight", 400, "n")
+        if pending + len(job.samples) > self.max_pending:
+            raise ApiError(f"too many requests in flight ({pending} samples, limit {self.max_pending}); retry later",
+                           429)
+        gen = Generation(self.backend, job, self.metrics, arrival, deadline, on_done=self.live.discard)
+        self.live.add(gen)
+        watcher = asyncio.create_task(_watch_disconnect(request, gen))
+        handed_over = False
+        try:
+            if job.stream:
+                first = await gen.next()      # headers wait for token #1 or a refusal (keeps its status)
+                handed_over = True
+                return StreamingResponse(_stream(job, gen, first, watcher), media_type=job.media_type,
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            while await gen.next() is not None:       # the assemblers keep the whole response
+                pass
+            return JSONResponse(job.body(gen.asms))
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                watcher.cancel()
+                gen.cancel()
+
+    async def health(self) -> JSONResponse:
+        if self.draining:
+            return JSONResponse({"healthy": False, "draining": True}, status_code=503)
+        try:
+            h = await self.backend.health()
+        except Exception as e:
+            return JSONResponse({"healthy": False, "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        return JSONResponse(h, status_code=200 if h.get("healthy") else 503)
 
 
-def _param_of(loc: Sequence) -> str | None:
-    """pydantic ``loc`` -> field name (``messages[0].role``), skipping union member tags."""
-    parts = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
-    out = ""
-    for x in parts:
-        if isinstance(x, int):
-            out += f"[{x}]"
-        elif isinstance(x, str) and x.isidentifier() and x.lower() not in _TYPE_TAGS:
-            out += f".{x}" if out else x
-        else:
-            break
-    return out or None
-
-
-def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errs = exc.errors()
-    e = errs[0] if errs else {"msg": "invalid request", "loc": ()}
-    if e.get("type") == "json_invalid":
-        return _error(request, 400, f"request body: invalid JSON ({e.get('ctx', {}).get('error', e['msg'])})")
-    param = _param_of(e.get("loc", ()))
-    return _error(request, 400, f"{param or 'request body'}: {e['msg']}", param)
+def _check_utf8(value, field: str) -> None:
+    """Raises ApiError 400 when a text field holds a lone surrogate (not encodable as UTF-8)."""
+    if _token_ids(value):            # no text to check (and dumping 100k ids would cost ~10 ms)
+        return
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(f"{field}: text is not valid Unicode (a lone surrogate?)", 400, field) from None
 
 
 # ---- the app ------------------------------------------------------------------------------------------
@@ -157,11 +255,8 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
     and new requests 503 at once; in-flight requests get ``timeout_s`` to finish, then end with a
     503 error event.
     """
-    metrics = metrics or GatewayMetrics(model_name)
-    strings = TokenStrings(tokenizer)
-    fmt = fmt or DeepSeekFormat(tokenizer.model_dir, model_name, default_thinking, tokenizer.max_token_chars)
-    created = int(time.time())
-    keys = frozenset(api_keys or ())
+    gw = Gateway(backend, tokenizer, model_name, default_thinking=default_thinking, fmt=fmt, max_n=max_n,
+                 api_keys=api_keys, metrics=metrics, max_pending=max_pending, request_timeout_s=request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,176 +270,60 @@ def create_app(backend: Backend, tokenizer, model_name: str, *, default_thinking
 
     app = FastAPI(title="dsv4-pd gateway", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
-    app.state.metrics = metrics
-    app.state.draining = False
-    live: set[Generation] = set()
+    app.state.metrics, app.state.drain = gw.metrics, gw.drain
+    install_error_handlers(app)
+    _generation_routes(app, gw)
+    _other_routes(app, gw)
+    return app
 
-    async def drain(timeout_s: float) -> None:
-        app.state.draining = True
-        end = time.monotonic() + timeout_s
-        while live and time.monotonic() < end:
-            await asyncio.sleep(0.05)
-        for g in list(live):
-            g.fail(BackendError("the gateway is shutting down (drain deadline)", 503))
-        end = time.monotonic() + 2.0                 # let the error events go out
-        while live and time.monotonic() < end:
-            await asyncio.sleep(0.02)
-    app.state.drain = drain
 
-    async def auth(request: Request) -> None:
-        if keys:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            given = token.strip().encode() if scheme.lower() == "bearer" else b""
-            if not given:
-                given = request.headers.get("x-api-key", "").strip().encode()
-            # compare with every key, constant time each: no timing hint of which prefix matched
-            if not sum(hmac.compare_digest(given, k.encode()) for k in keys):
-                raise ApiError("invalid or missing API key", 401)
+def _generation_routes(app: FastAPI, gw: Gateway) -> None:
+    """One route per API; each names its text fields (checked for lone surrogates) and its module's
+    ``prepare_*`` (request -> Job, run off the event loop)."""
+    auth, fmt, tok = [Depends(gw.auth)], gw.fmt, gw.tokenizer
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        return _error(request, e.status, e.message, e.param)
-
-    @app.exception_handler(BackendError)
-    async def _backend_error(request: Request, e: BackendError):
-        return _error(request, e.status, str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError):
-        return _validation_error(request, e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException):
-        return _error(request, e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("unhandled error")
-        return _error(request, 500, f"internal error: {type(e).__name__}")
-
-    def check_utf8(value, field: str) -> None:
-        if _token_ids(value):            # no text to check (and dumping 100k ids would cost ~10 ms)
-            return
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(f"{field}: text is not valid Unicode (a lone surrogate?)", 400, field) from None
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(f"model: the model `{name}` does not exist (served: `{model_name}`)", 404, "model")
-
-    def deadline_of(request: Request, arrival: float) -> float | None:
-        h = request.headers.get("x-request-timeout")
-        if h is None:
-            return None if request_timeout_s is None else arrival + request_timeout_s
-        try:
-            v = float(h)
-        except ValueError:
-            v = -1.0
-        if not 0 < v <= 1e7:
-            raise ApiError("X-Request-Timeout: expected seconds in (0, 1e7]", 400, "X-Request-Timeout")
-        return arrival + v
-
-    def admit(request: Request, arrival: float) -> float | None:
-        """The request's deadline. Raises ApiError 503 (draining) or 429 (too many in flight)."""
-        if app.state.draining:
-            raise ApiError("the gateway is shutting down; retry on another replica", 503)
-        return deadline_of(request, arrival)
-
-    async def serve(job: Job, request: Request, arrival: float, deadline: float | None) -> Response:
-        read_timeout = request.headers.get("x-stainless-read-timeout")    # the openai SDKs' own timeout
-        if deadline is None and not job.stream and read_timeout:
-            with contextlib.suppress(ValueError):           # the client gives up then: free the state then
-                if 0 < float(read_timeout) <= 1e7:
-                    deadline = arrival + float(read_timeout)
-        pending = sum(len(g.job.samples) for g in live)
-        if len(job.samples) > max_pending:
-            raise ApiError(f"n: {len(job.samples)} choices exceed this gateway's limit of {max_pending} samples "
-                           "in flight", 400, "n")
-        if pending + len(job.samples) > max_pending:
-            raise ApiError(f"too many requests in flight ({pending} samples, limit {max_pending}); retry later",
-                           429)
-        gen = Generation(backend, job, metrics, arrival, deadline, on_done=live.discard)
-        live.add(gen)
-        watcher = asyncio.create_task(_watch_disconnect(request, gen))
-        handed_over = False
-        try:
-            if job.stream:
-                first = await gen.next()      # headers wait for token #1 or a refusal (keeps its status)
-                handed_over = True
-                return StreamingResponse(_stream(job, gen, first, watcher), media_type=job.media_type,
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            while await gen.next() is not None:       # the assemblers keep the whole response
-                pass
-            return JSONResponse(job.body(gen.asms))
-        except ClientGone:
-            return Response(status_code=499)
-        finally:
-            if not handed_over:
-                watcher.cancel()
-                gen.cancel()
-
-    async def handle(req, request: Request, texts: tuple[str, ...], prepare) -> Response:
-        """Admit, check the model and the text fields, build the job off the event loop, serve it."""
-        arrival = time.monotonic()
-        deadline = admit(request, arrival)
-        check_model(req.model)
-        for f in texts:
-            check_utf8(getattr(req, f), f)
-        job = await asyncio.to_thread(prepare, req)
-        return await serve(job, request, arrival, deadline)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        return await handle(req, request, ("messages", "tools", "stop"),
-                            lambda r: prepare_chat(r, fmt, tokenizer, backend.max_model_len, max_n))
+        return await gw.handle(req, request, ("messages", "tools", "stop"),
+                               lambda r: prepare_chat(r, fmt, tok, gw.backend.max_model_len, gw.max_n))
 
-    @app.post("/v1/completions", dependencies=[Depends(auth)])
+    @app.post("/v1/completions", dependencies=auth)
     async def completions(req: CompletionRequest, request: Request):
-        return await handle(req, request, ("prompt", "stop"), lambda r: prepare_completion(
-            r, tokenizer, strings, model_name, backend.max_model_len, max_n))
+        return await gw.handle(req, request, ("prompt", "stop"), lambda r: prepare_completion(
+            r, tok, gw.strings, gw.model_name, gw.backend.max_model_len, gw.max_n))
 
-    @app.post("/v1/responses", dependencies=[Depends(auth)])
+    @app.post("/v1/responses", dependencies=auth)
     async def responses(req: ResponsesRequest, request: Request):
-        return await handle(req, request, ("input", "tools"),
-                            lambda r: prepare_responses(r, fmt, tokenizer, backend.max_model_len))
+        return await gw.handle(req, request, ("input", "tools"),
+                               lambda r: prepare_responses(r, fmt, tok, gw.backend.max_model_len))
 
-    @app.post("/v1/messages", dependencies=[Depends(auth)])
+    @app.post("/v1/messages", dependencies=auth)
     async def messages(req: MessagesRequest, request: Request):
-        return await handle(req, request, ("messages", "system", "tools"),
-                            lambda r: prepare_messages(r, fmt, tokenizer, backend.max_model_len))
+        return await gw.handle(req, request, ("messages", "system", "tools"),
+                               lambda r: prepare_messages(r, fmt, tok, gw.backend.max_model_len))
 
-    @app.post("/v1/messages/count_tokens", dependencies=[Depends(auth)])
+    @app.post("/v1/messages/count_tokens", dependencies=auth)
     async def messages_count_tokens(req: MessagesCountRequest):
-        check_model(req.model)
-        return await asyncio.to_thread(count_message_tokens, req, fmt, backend.max_model_len)
+        gw.check_model(req.model)
+        return await asyncio.to_thread(count_message_tokens, req, fmt, gw.backend.max_model_len)
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "dsv4-pd", "root": model_name,
-                "parent": None, "max_model_len": backend.max_model_len}
 
-    @app.get("/v1/models", dependencies=[Depends(auth)])
+def _other_routes(app: FastAPI, gw: Gateway) -> None:
+    """/v1/models (the served model's card), /health (the backend's, 503 while draining), /metrics."""
+
+    @app.get("/v1/models", dependencies=[Depends(gw.auth)])
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [gw.model_card()]}
 
-    @app.get("/v1/models/{model}", dependencies=[Depends(auth)])
+    @app.get("/v1/models/{model}", dependencies=[Depends(gw.auth)])
     async def model(model: str):
-        check_model(model)
-        return model_card()
+        gw.check_model(model)
+        return gw.model_card()
 
     @app.get("/health")
     async def health():
-        if app.state.draining:
-            return JSONResponse({"healthy": False, "draining": True}, status_code=503)
-        try:
-            h = await backend.health()
-        except Exception as e:
-            return JSONResponse({"healthy": False, "error": f"{type(e).__name__}: {e}"}, status_code=503)
-        return JSONResponse(h, status_code=200 if h.get("healthy") else 503)
+        return await gw.health()
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
