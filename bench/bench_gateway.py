@@ -160,7 +160,7 @@ def serve(args) -> int:
     ids = reply_ids(Tokenizer(args.model), args.tokens_per_stream, reasoning, answer)
     app = build_app(args.model, MODEL_NAME, ids)
     print(json.dumps({"tokens": len(ids)}), flush=True)
-    # the same uvicorn settings as the production gateway (server/launch/cli.py)
+    # the same uvicorn settings as the production gateway (server/launch/roles.py)
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
                                   access_log=False)).run()
     return 0

@@ -3,7 +3,7 @@
 Field names, types and defaults follow OpenAI's API plus vLLM's extras (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
 chat_template_kwargs, ...). Unknown fields are accepted and ignored, as vLLM does; a known field of
-the wrong type is a 400 naming the field (``gateway`` turns pydantic errors into ``ApiError``).
+the wrong type is a 400 naming the field (``server.gateway.errors`` turns pydantic errors into a 400).
 Range checks that need the prompt (max_tokens vs the context) live in the endpoint modules; the
 conversation itself (messages, tools, tool_choice, thinking, response format) is validated by
 DeepSeek's format library when it converts the request (``server.gateway.dsformat``).
