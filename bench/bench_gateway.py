@@ -4,7 +4,7 @@
         [--out bench/out/gateway.json]
     dsv4-bench gateway --compare bench/out/gateway-before.json bench/out/gateway-after.json
 
-The gateway (``server.gateway.create_app``) runs in its own child process on loopback with a
+The gateway (``server.gateway.app.create_app``) runs in its own child process on loopback with a
 ``ReplayBackend`` in place of the workers: every sample replays one fixed, realistic thinking-mode
 reply (reasoning with some Chinese and an emoji, ``</think>``, answer) one token per event, as fast
 as the event loop allows. So what is measured is the gateway's text path alone: detokenising,

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ckpt is None:
         from engine.tiny import make_tiny
         args.ckpt = str(make_tiny("flash", 1, tempfile.mkdtemp(prefix="dsv4-bench-")))
-    from server.launcher import free_port
+    from server.launch.local import free_port
     rows = []
     for w in worlds:
         out = tempfile.mktemp(suffix=".json")

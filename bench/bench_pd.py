@@ -42,7 +42,7 @@ from engine.build import build_engine  # noqa: E402
 from engine.core.pd_state import state_tensors  # noqa: E402
 from engine.run_config import RunConfig  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
-from server.launcher import LocalPD, log_tail  # noqa: E402
+from server.launch.local import LocalPD, log_tail  # noqa: E402
 
 TARGET_FIXED_S = 0.010          # the target: TTFT overhead <= 10 ms + state bytes / bandwidth
 

@@ -74,7 +74,7 @@ def reply_ids(tok, tokens: int, reasoning: str = REASONING, answer: str = ANSWER
 
 
 class ReplayBackend:
-    """A ``server.backend.Backend`` that answers every sample with ``token_ids`` (capped at the
+    """A ``server.backends.base.Backend`` that answers every sample with ``token_ids`` (capped at the
     sample's max_new_tokens), one token per event, the last with finish_reason "length". Between
     events it yields to the event loop once, so concurrent streams interleave as they would with a
     decode worker emitting one token per step for the whole batch."""
@@ -83,7 +83,7 @@ class ReplayBackend:
         self.token_ids, self._max_len = list(token_ids), max_model_len
 
     async def generate(self, req):
-        from server.backend import TokenEvent
+        from server.backends.base import TokenEvent
         ids = self.token_ids[:req.params.max_new_tokens]
         last = len(ids) - 1
         for i, t in enumerate(ids):
@@ -113,7 +113,7 @@ def build_app(model_dir: str | Path, name: str, token_ids: list[int]):
     object built from it), the parameter's name decides which is passed; adapt here only."""
     import inspect
 
-    from server.gateway import create_app
+    from server.gateway.app import create_app
     backend = ReplayBackend(token_ids)
     second = list(inspect.signature(create_app).parameters)[1]
     if second == "tokenizer":
@@ -133,7 +133,7 @@ def serve(args) -> int:
     ids = reply_ids(Tokenizer(args.model), args.tokens_per_stream, reasoning, answer)
     app = build_app(args.model, MODEL_NAME, ids)
     print(json.dumps({"tokens": len(ids)}), flush=True)
-    # the same uvicorn settings as the production gateway (server/cli.py)
+    # the same uvicorn settings as the production gateway (server/launch/roles.py)
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
                                   access_log=False)).run()
     return 0

@@ -17,7 +17,7 @@ import httpx
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from server.launcher import LocalPD, log_tail  # noqa: E402
+from server.launch.local import LocalPD, log_tail  # noqa: E402
 
 WATCH = ("dsv4:prompt_tokens_total", "dsv4:generation_tokens_total", "dsv4:request_success_total",
          "dsv4:time_to_first_token_seconds_count", "dsv4:time_to_first_token_seconds_sum",

@@ -9,7 +9,7 @@ import pytest
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.tiny import make_tiny
-from server.launcher import log_tail
+from server.launch.local import log_tail
 
 
 @pytest.hookimpl(hookwrapper=True)

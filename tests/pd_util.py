@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from server.launcher import LocalPD, log_tail
+from server.launch.local import LocalPD, log_tail
 
 CONFIG = "configs/tiny-flash.yaml"
 

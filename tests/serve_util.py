@@ -32,7 +32,7 @@ def serve_app(app, start_timeout_s: float = 30) -> Iterator[str]:
 
 
 class ScriptedBackend:
-    """A ``server.backend.Backend`` whose samples emit scripted token ids: the gateway's text path
+    """A ``server.backends.base.Backend`` whose samples emit scripted token ids: the gateway's text path
     (recipe conversion, encoding, output parsing, shaping) checked without a model, for outputs a
     random tiny model never writes (DSML tool calls, ``</think>``).
 
@@ -49,7 +49,7 @@ class ScriptedBackend:
         self.requests: list = []
 
     async def generate(self, req):
-        from server.backend import TokenEvent
+        from server.backends.base import TokenEvent
         self.requests.append(req)
         ids, reason = self._script(req.prompt_ids) if callable(self._script) else self._script
         full = list(ids)
@@ -77,7 +77,7 @@ THINK_END_ID = 128822          # </think> in the DeepSeek-V4 tokenizer
 
 
 def reasoning_from_ids(ids, starts_in_reasoning: bool, skip=()) -> int:
-    """The gateway's reasoning-token count (``server/recipe_stream.py``, vLLM's way): the output ids
+    """The gateway's reasoning-token count (``server/gateway/recipe_stream.py``, vLLM's way): the output ids
     before ``</think>`` in thinking mode, BOS / EOS and the positions in ``skip`` (a text-less final
     stop token) excepted. DeepSeek's recipe re-encodes the reasoning text instead, which can differ."""
     if not starts_in_reasoning:

@@ -4,7 +4,7 @@ next valid request is served.
 A real uvicorn server over ``LocalBackend`` and the tiny engine (as in test_gateway.py), raw bodies
 posted with httpx. The app runs with ``max_body_bytes=LIMIT`` (1 MiB) so the oversize cases stay
 cheap; the 32 MiB default is checked on the signature. Limits the cases rely on (documented in
-``server.protocol``): context 4096 tokens (configs/tiny-flash.yaml), n <= 128 choices, temperature
+``server.gateway.protocol``): context 4096 tokens (configs/tiny-flash.yaml), n <= 128 choices, temperature
 in [0, 2], top_logprobs / completions logprobs <= 20 (vLLM's max_logprobs), at most 16 stop strings
 of at most 1024 characters each.
 """
@@ -23,9 +23,9 @@ import pytest
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.tokenizer import Tokenizer
-from server.body_limit import BodyLimit
-from server.gateway import create_app
-from server.local import LocalBackend
+from server.backends.local import LocalBackend
+from server.gateway.app import create_app
+from server.gateway.body_limit import BodyLimit
 from serve_util import serve_app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from bench import gateway_replay as bg
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.tiny import copy_tokenizer
-from server.backend import GenRequest
+from server.backends.base import GenRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 

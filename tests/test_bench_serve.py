@@ -15,7 +15,7 @@ import pytest
 from bench import serve_bench, serve_data as sd
 from bench.serve_metrics import (RequestRecord, format_summary, max_concurrency, parse_goodput, parse_percentiles,
                                  summarize)
-from server.launcher import free_port
+from server.launch.local import free_port
 from tests.pd_util import start_pd
 
 ROOT = Path(__file__).resolve().parents[1]

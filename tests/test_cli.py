@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.launcher import free_port
+from server.launch.local import free_port
 
-LAUNCH = [sys.executable, "-m", "server.cli"]
+LAUNCH = [sys.executable, "-m", "server.launch.cli"]
 
 
 def _children(pid: int) -> list[int]:
@@ -161,7 +161,7 @@ def test_one_served_model_name_and_the_thinking_default(monkeypatch):
     """Without a config the gateway serves the name the shipped configs and the workers use; the
     default thinking mode comes from --default-thinking or DSV4_DEFAULT_THINKING."""
     from engine.run_config import DEFAULT_MODEL_NAME, ModelConfig, RunConfig
-    from server.cli import _model_name, parser
+    from server.launch.flags import model_name as _model_name, parser
     args = parser().parse_args(["--role", "gateway"])
     assert _model_name(args, None) == DEFAULT_MODEL_NAME == ModelConfig().model_name == "deepseek_v4"
     assert _model_name(args, RunConfig.from_yaml("configs/tiny-flash.yaml")) == "deepseek_v4"

@@ -2,7 +2,7 @@
 
 Expected values come from the same engine run directly (``engine.generate``) before the server
 starts: greedy text, seeded samples, logprobs; chat prompt ids are DeepSeek's recipe's encoding
-(``server.dsformat``). The app runs with thinking off by default so the random model's text lands in
+(``server.gateway.dsformat``). The app runs with thinking off by default so the random model's text lands in
 ``content`` (stop strings apply to content only); thinking mode is checked on its own. DSML tool-call
 and reasoning parsing are covered by tests/test_format_outputs.py (the random model never writes one).
 """
@@ -22,13 +22,13 @@ from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from server.backend import BackendError, TokenEvent
-from server.completions import TokenStrings, prepare_completion
-from server.dsformat import DeepSeekFormat
-from server.gateway import create_app
-from server.local import LocalBackend
+from server.backends.base import BackendError, TokenEvent
+from server.backends.local import LocalBackend
+from server.gateway.app import create_app
+from server.gateway.completions import TokenStrings, prepare_completion
+from server.gateway.dsformat import DeepSeekFormat
 from serve_util import serve_app
-from server.protocol import CompletionRequest
+from server.gateway.protocol import CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-dsv4"

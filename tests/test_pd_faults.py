@@ -22,7 +22,7 @@ from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
-from server.launcher import log_tail
+from server.launch.local import log_tail
 
 WORKER_TIMEOUT_S = 2.0
 WORKERS = ("prefill0", "prefill1", "decode0", "decode1")

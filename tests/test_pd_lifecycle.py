@@ -22,7 +22,7 @@ from openai import AsyncOpenAI, OpenAI
 from engine.core.sampling_params import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
-from server.launcher import free_port, log_tail
+from server.launch.local import free_port, log_tail
 DRAIN_S = 3.0
 
 
@@ -104,8 +104,8 @@ def test_256_concurrent_requests_none_lost_none_duplicated(cluster, reference):
 def test_full_gateway_answers_429_with_retry_after(cluster, ckpt):
     _healthy(cluster)
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "--role", "gateway", "--config", CONFIG, "--model", ckpt, "--port", str(port),
-           "--max-pending", "2"] + cluster.cmds["gateway"][cluster.cmds["gateway"].index("--prefill-addrs"):][:4]
+    cmd = [sys.executable, "-m", "server.launch.cli", "--role", "gateway", "--config", CONFIG, "--model", ckpt,
+           "--port", str(port), "--max-pending", "2"] + cluster.cmds["gateway"][cluster.cmds["gateway"].index("--prefill-addrs"):][:4]
     gw = subprocess.Popen(cmd)
     base = f"http://127.0.0.1:{port}"
     try:

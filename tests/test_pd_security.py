@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from kvtransfer.secure import secure_client
 from pd_util import start_pd, wait_idle
-from server.launcher import log_tail
+from server.launch.local import log_tail
 SECRET = "correct horse battery staple 42"
 
 

@@ -13,7 +13,7 @@ import torch
 from openai import AsyncOpenAI, OpenAI
 
 from engine.core.sampling_params import SamplingParams
-from server.launcher import LocalPD, log_tail
+from server.launch.local import LocalPD, log_tail
 
 CONFIG = "configs/tiny-flash.yaml"
 

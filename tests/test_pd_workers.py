@@ -17,13 +17,13 @@ from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from kvtransfer.transport import make_receiver, make_sender
 from kvtransfer.wire import decode_header, encode_commit, encode_layer
-from server.backend import BackendError, GenRequest
-from server.launcher import free_port
-from server.decode import DecodeWorker
-from server.messages import pack, params_to_dict, unpack
-from server.prefill import PrefillWorker
-from server.router import PDBackend
-from server.worker import WorkerOptions
+from server.backends.base import BackendError, GenRequest
+from server.backends.pd import PDBackend
+from server.launch.local import free_port
+from server.workers.base import WorkerOptions
+from server.workers.decode import DecodeWorker
+from server.workers.prefill import PrefillWorker
+from server.workers.rpc import pack, params_to_dict, unpack
 
 TRANSPORTS = ["zmq-tcp", "zmq-ipc", "dist"]
 

@@ -129,15 +129,15 @@ def test_limit_core_validation(aic, aiv, needle):
 @pytest.mark.parametrize("device,needle", [("npu", "torch_npu"), ("npu:0", "torch_npu"), ("tpu", "npu:I"),
                                            ("cuda:1", "no CUDA")])
 def test_launch_pd_bad_device_exits_2(device, needle):
-    r = subprocess.run([sys.executable, "-m", "server.cli", "--role", "prefill", "--config", "configs/tiny-flash.yaml",
-                        "--device", device], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "server.launch.cli", "--role", "prefill",
+                        "--config", "configs/tiny-flash.yaml", "--device", device], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("launch-pd: --device:") and needle in r.stderr and "Traceback" not in r.stderr
 
 
 def test_launch_pd_local_checks_the_device_form_first():
-    r = subprocess.run([sys.executable, "-m", "server.cli", "--role", "local", "--config", "configs/tiny-flash.yaml",
-                        "--device", "gpu"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "server.launch.cli", "--role", "local",
+                        "--config", "configs/tiny-flash.yaml", "--device", "gpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("launch-pd: --device: 'gpu' is not a device"), r.stderr
 
 
@@ -145,6 +145,6 @@ def test_launch_pd_local_checks_the_device_form_first():
 def test_launch_pd_device_from_the_environment_names_the_variable(role):
     import os
     env = {**os.environ, "DSV4_DEVICE": "tpu"}
-    r = subprocess.run([sys.executable, "-m", "server.cli", "--role", role, "--config", "configs/tiny-flash.yaml"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run([sys.executable, "-m", "server.launch.cli", "--role", role,
+                        "--config", "configs/tiny-flash.yaml"], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2 and r.stderr.startswith("launch-pd: DSV4_DEVICE: 'tpu' is not a device"), r.stderr

@@ -15,8 +15,8 @@ from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, en
 from engine.parallel.mirror import Mirror, cache_layout, follow, sequence_state_tensors
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
-from server.launcher import free_port
-from server.ranks import RankError, rank_env
+from server.launch.local import free_port
+from server.launch.ranks import RankError, rank_env
 
 CONFIG = "configs/tiny-flash.yaml"
 
@@ -228,7 +228,7 @@ def test_sequence_state_tensors_equal_the_paged_ones(reference):
     (["--rank-timeout-s", "0"], "launch-pd: --rank-timeout-s: 0.0 must be in [0.1, 3600] seconds"),
 ])
 def test_launch_pd_names_a_bad_rank_flag(flags, msg, capsys, monkeypatch):
-    from server.cli import main
+    from server.launch.cli import main
     for v in ("RANK", "WORLD_SIZE", "NNODES", "NODE_RANK"):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(SystemExit) as e:
@@ -308,8 +308,9 @@ def test_ranks_with_different_configs_exit_naming_them(ckpt, tmp_path):
     for rank, config in ((0, "configs/tiny-flash-2rank-decode.yaml"), (1, str(other))):
         env = dict(__import__("os").environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "server.cli", "--role", "decode", "--config", config,
-                                       "--model", ckpt, "--device", "cpu", "--port", str(free_port()),
+        procs.append(subprocess.Popen([sys.executable, "-m", "server.launch.cli", "--role", "decode",
+                                       "--config", config, "--model", ckpt, "--device", "cpu",
+                                       "--port", str(free_port()),
                                        "--http-port", "0", "--state-port", str(free_port()),
                                        "--rank-port", str(free_port()), "--cpu-threads", "1"],
                                       env=env, stderr=subprocess.PIPE, text=True))

@@ -23,8 +23,8 @@ from schemathesis import GenerationMode  # noqa: E402
 from engine.build import build_engine  # noqa: E402
 from engine.run_config import RunConfig  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
-from server.gateway import create_app  # noqa: E402
-from server.local import LocalBackend  # noqa: E402
+from server.backends.local import LocalBackend  # noqa: E402
+from server.gateway.app import create_app  # noqa: E402
 from serve_util import serve_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,8 +1,8 @@
 """Output processing through the real gateway equals DeepSeek's recipe for the same token ids.
 
 The gateway parses model output with DeepSeek's own library (``deepseek_recipe``): one
-``StreamProcessor`` per sample, fed by ``server.recipe_stream.RecipeAssembler`` under vLLM's token
-rules, shaped per API by ``server.chat_completions`` / ``server.responses_messages``. This package
+``StreamProcessor`` per sample, fed by ``server.gateway.recipe_stream.RecipeAssembler`` under vLLM's token
+rules, shaped per API by ``server.gateway.chat_completions`` / ``server.gateway.responses`` / ``server.gateway.messages``. This package
 checks that nothing is lost or changed on the way: for a corpus of model outputs (text tokenised
 with the tiny checkpoint's real DeepSeek-V4 tokenizer, EOS appended where the output ends with
 finish "stop"; the others end by "length") the expected value is computed here by feeding the same

@@ -5,8 +5,8 @@ import deepseek_recipe as dr
 import pytest
 
 from engine.tokenizer import Tokenizer
-from server.dsformat import DeepSeekFormat
-from server.gateway import create_app
+from server.gateway.dsformat import DeepSeekFormat
+from server.gateway.app import create_app
 
 from .corpus import MODEL
 from .harness import Scripted, Stack

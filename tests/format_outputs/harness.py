@@ -11,8 +11,8 @@ import httpx
 from engine.core.sampling_params import Sampled
 from engine.tokenizer import Tokenizer
 from serve_util import ScriptedBackend
-from server.backend import TokenEvent
-from server.dsformat import DeepSeekFormat
+from server.backends.base import TokenEvent
+from server.gateway.dsformat import DeepSeekFormat
 
 from .corpus import MAX_LEN
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.backend import TokenEvent
-from server.chat_completions import prepare_chat
-from server.protocol import ChatCompletionRequest
+from server.backends.base import TokenEvent
+from server.gateway.chat_completions import prepare_chat
+from server.gateway.protocol import ChatCompletionRequest
 
 from .corpus import CHAT, CORPUS, DSML_MARK, MAX_LEN, STREAM_USAGE, THINK_END, Case, case_ids, chat_request
 from .harness import Client, Stack, run

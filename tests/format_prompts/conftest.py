@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.tiny import copy_tokenizer
 from engine.tokenizer import Tokenizer
-from server.gateway import create_app
+from server.gateway.app import create_app
 from serve_util import ScriptedBackend
 
 from .corpus import NAME

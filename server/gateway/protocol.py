@@ -3,10 +3,10 @@
 Field names, types and defaults follow OpenAI's API plus vLLM's extras (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens,
 chat_template_kwargs, ...). Unknown fields are accepted and ignored, as vLLM does; a known field of
-the wrong type is a 400 naming the field (``gateway`` turns pydantic errors into ``ApiError``).
+the wrong type is a 400 naming the field (``server.gateway.errors`` turns pydantic errors into a 400).
 Range checks that need the prompt (max_tokens vs the context) live in the endpoint modules; the
 conversation itself (messages, tools, tool_choice, thinking, response format) is validated by
-DeepSeek's format library when it converts the request (``server.dsformat``).
+DeepSeek's format library when it converts the request (``server.gateway.dsformat``).
 
 Types are strict, as OpenAI's API is: an integer field refuses ``"2"``, ``2.0`` and ``true``, a
 boolean refuses ``"yes"`` and ``1``, a number refuses strings, booleans, NaN and infinities (an
@@ -31,7 +31,7 @@ integer is a number). Limits (in the OpenAPI schema where static, else the endpo
   (the recipe checks them: a non-object ``parameters`` schema, an empty name, a tool_choice naming
   an undeclared function are 400s);
 * the request body is at most ``create_app``'s ``max_body_bytes`` (32 MiB by default: a 1M-token
-  context of text), enforced by ``server.body_limit`` before parsing.
+  context of text), enforced by ``server.gateway.body_limit`` before parsing.
 """
 from __future__ import annotations
 

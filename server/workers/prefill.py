@@ -19,8 +19,8 @@ from engine.core.request import RequestOutput, finish_reason
 from kvtransfer.pusher import Pusher
 from kvtransfer.transport import make_sender
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
-from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
-from server.worker import Worker, WorkerOptions
+from server.workers.base import Worker, WorkerOptions
+from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 
-def _term_with_parent() -> None:
+def term_with_parent() -> None:
     """In the child before exec (Linux): SIGTERM when the parent dies, so a killed launcher leaves
     no orphan workers (they drain and exit)."""
     try:
@@ -71,7 +71,7 @@ class LocalPD:
         if cluster_secret is not None:                # children read it from the environment (not argv)
             self.env["DSV4_CLUSTER_SECRET"] = cluster_secret
         self.headers = {"Authorization": f"Bearer {cluster_secret}"} if cluster_secret else {}
-        launch = [sys.executable, "-m", "server.cli", "--config", config, "--model", model, "--host", host,
+        launch = [sys.executable, "-m", "server.launch.cli", "--config", config, "--model", model, "--host", host,
                   "--transport", transport]
         extra = {k: list(v) for k, v in (extra_args or {}).items()}
         # workers share this machine's cores (oversubscribed OpenMP threads spin and stall each other)
@@ -113,7 +113,7 @@ class LocalPD:
         self._log = out
         for name, cmd in self.cmds.items():
             self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                env=self.env, preexec_fn=_term_with_parent)
+                                                env=self.env, preexec_fn=term_with_parent)
         end = time.monotonic() + timeout_s
         while True:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -144,7 +144,7 @@ class LocalPD:
             raise RuntimeError(f"{name} is still running")
         self.procs[name] = subprocess.Popen(self.cmds[name], stdout=self._log,
                                             stderr=subprocess.STDOUT if self._log else None,
-                                            env=self.env, preexec_fn=_term_with_parent)
+                                            env=self.env, preexec_fn=term_with_parent)
 
     def ready(self, name: str) -> dict:
         """A worker's /ready body (its load: running, reserved, free_blocks, ...)."""

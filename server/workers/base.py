@@ -36,9 +36,9 @@ from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
 from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
-from server.messages import MessageError, pack, set_heartbeat, unpack
+from server.gateway.protocol import error_body
 from server.metrics import CONTENT_TYPE, WorkerMetrics
-from server.protocol import error_body
+from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Worker:
         self._bad_requests = 0
         self._last_bad_log = self._last_gone_log = 0.0
         self._http: uvicorn.Server | None = None
-        self.rank_failure: str | None = None   # multi-rank: why a rank was lost (server.rank_worker)
+        self.rank_failure: str | None = None   # multi-rank: why a rank was lost (server.launch.rank_worker)
         self.parallel_info = None                # multi-rank: () -> dict for /health
 
     # ---- subclass hooks ----------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from server.protocol import error_body_for
+from server.gateway.protocol import error_body_for
 
 
 class BodyTooLarge(Exception):

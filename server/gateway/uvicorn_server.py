@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 
 class GatewayServer(uvicorn.Server):
-    """``uvicorn.Server`` for ``app`` (from ``server.gateway.create_app``) whose first exit signal
+    """``uvicorn.Server`` for ``app`` (from ``server.gateway.app.create_app``) whose first exit signal
     drains it."""
 
     def __init__(self, app, config: uvicorn.Config, drain_timeout_s: float = 30.0):

@@ -1,11 +1,11 @@
 """What the gateway talks to: one sample in, a stream of token-id events out.
 
-The gateway (``server.gateway``) turns an OpenAI request into ``GenRequest`` samples and consumes
+The gateway (``server.gateway.app``) turns an OpenAI request into ``GenRequest`` samples and consumes
 ``TokenEvent`` streams; it never sees workers. Two backends implement ``Backend``:
 
-- ``server.router.PDBackend``: the P/D path (decode reserves, prefill computes and pushes state,
+- ``server.backends.pd.PDBackend``: the P/D path (decode reserves, prefill computes and pushes state,
   decode streams), over ZMQ to ``launch-pd`` workers.
-- ``server.local.LocalBackend``: one in-process ``LLMEngine`` on a thread (tests, benchmarks).
+- ``server.backends.local.LocalBackend``: one in-process ``LLMEngine`` on a thread (tests, benchmarks).
 """
 from __future__ import annotations
 

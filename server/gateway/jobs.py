@@ -1,10 +1,11 @@
 """A validated request as the gateway runs it: a ``Job`` of ``Sample`` s, each fed by one backend stream.
 
-No I/O here. Each endpoint module builds a ``Job`` subclass (``server.completions``,
-``server.chat_completions``, ``server.responses_messages``) whose methods shape the output:
+No I/O here. Each endpoint module builds a ``Job`` subclass (``server.gateway.completions``,
+``server.gateway.chat_completions``, ``server.gateway.responses``, ``server.gateway.messages``) whose
+methods shape the output:
 ``assembler`` (one per sample: token events -> ``Piece`` s), ``head`` / ``events`` / ``tail`` (SSE text
 of a stream), ``error_events`` (a failure after the headers went out) and ``body`` (the non-streamed
-response). ``server.gateway`` drives them the same way for every endpoint.
+response). ``server.gateway.app`` drives them the same way for every endpoint.
 
 Seeds: every sample's ``SamplingParams.seed`` is set (both P/D legs must draw alike). With a
 client ``seed`` s, choice i uses ``(s + i) mod 2**64`` (vLLM v1's rule for n > 1), so choice i of
@@ -19,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.sampling_params import SamplingError, SamplingParams
-from server.backend import TokenEvent
-from server.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError
+from server.backends.base import TokenEvent
+from server.gateway.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError
 
 _U64 = 1 << 64
 

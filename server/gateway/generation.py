@@ -1,6 +1,6 @@
-"""Running one request's samples against the backend: ``Generation`` (used by ``server.gateway``).
+"""Running one request's samples against the backend: ``Generation`` (used by ``server.gateway.app``).
 
-Every sample of a ``server.jobs.Job`` runs as its own task, feeding its assembler with the backend's
+Every sample of a ``server.gateway.jobs.Job`` runs as its own task, feeding its assembler with the backend's
 token events; ``Generation.next`` hands the pieces out in arrival order. It records the per-sample
 metrics (vLLM's definitions: TTFT from arrival to the first token, ITL between token events,
 TPOT = (e2e - TTFT) / (tokens - 1), request_success by reason) and aborts the samples of a client
@@ -12,10 +12,10 @@ import asyncio
 import logging
 import time
 
-from server.backend import Backend, BackendError, GenRequest
-from server.jobs import Job, Piece, Sample
+from server.backends.base import Backend, BackendError, GenRequest
+from server.gateway.jobs import Job, Piece, Sample
+from server.gateway.protocol import ApiError
 from server.metrics import GatewayMetrics
-from server.protocol import ApiError
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()

@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions through DeepSeek's format library (``server.dsformat``).
+"""POST /v1/chat/completions through DeepSeek's format library (``server.gateway.dsformat``).
 
 The recipe converts the request, renders + encodes the prompt and shapes each sample's chunks;
 this module adds what a vLLM user expects beyond DeepSeek's API: ``n`` > 1 (one processor per
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import deepseek_recipe as dr
 
 from engine.core.sampling_params import MAX_LOGPROBS
-from server.dsformat import DeepSeekFormat
-from server.jobs import (Job, Piece, Sample, check_common, check_logprobs, check_stops, refuse_not_done, sample_seed,
-                         sampling_params, sse, usage)
-from server.protocol import ApiError, ChatCompletionRequest, error_body
-from server.recipe_stream import RecipeAssembler
+from server.gateway.dsformat import DeepSeekFormat
+from server.gateway.jobs import (Job, Piece, Sample, check_common, check_logprobs, check_stops, refuse_not_done,
+                                 sample_seed, sampling_params, sse, usage)
+from server.gateway.protocol import ApiError, ChatCompletionRequest, error_body
+from server.gateway.recipe_stream import RecipeAssembler
 
 
 def recipe_sampling(body: dict, cr: dr.ConversationRequest) -> dict:

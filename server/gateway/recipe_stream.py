@@ -25,9 +25,9 @@ from __future__ import annotations
 import deepseek_recipe as dr
 
 from engine.core.sampling_params import Sampled
-from server.backend import TokenEvent
-from server.dsformat import finish_reason
-from server.jobs import Piece
+from server.backends.base import TokenEvent
+from server.gateway.dsformat import finish_reason
+from server.gateway.jobs import Piece
 
 
 def _lps(x: Sampled | None):

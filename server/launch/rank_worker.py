@@ -1,4 +1,4 @@
-"""Leader and follower sides of a multi-rank worker instance (``server.ranks`` starts them).
+"""Leader and follower sides of a multi-rank worker instance (``server.launch.ranks`` starts them).
 
 The leader is the ordinary prefill / decode worker plus a ``Mirror`` of its engine calls to the
 followers. When a rank is lost (its process exits, its connection closes, or it misses
@@ -22,7 +22,7 @@ import zmq
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
 from engine.parallel.mirror import Mirror, cache_layout, follow
 from kvtransfer.secure import secure_client, secure_server, stop_authenticator
-from server.launcher import stop_processes
+from server.launch.local import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class LeaderRanks:
         worker.parallel_info = self.info
         watch(self.link.sock, self.link.ctx, self._lost, "leader", fds=self.link.fds)
         self.mirror.on_failure = self._lost
-        self.handler["lost"] = self._lost             # spawned ranks (server.ranks.watch_children)
+        self.handler["lost"] = self._lost             # spawned ranks (server.launch.ranks.watch_children)
 
     def info(self) -> dict:
         """For /health: the layout and every rank's process."""

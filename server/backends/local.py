@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.request import RequestOutput
-from server.backend import BackendError, GenRequest, TokenEvent
+from server.backends.base import BackendError, GenRequest, TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,9 @@
 Per sample: the least-loaded healthy decode instance reserves state (``reserve``), then the
 least-loaded healthy prefill instance prefills with the reservation as destination
 (``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
-(client gone, stop string, deadline) aborts both legs.
+(client gone, stop string, deadline) aborts both legs. One attempt is a ``server.backends.leg.Leg``
+whose explicit state (reserving, prefilling, transferring, decoding, finished) decides what a lost
+instance means and what to abort.
 
 Two health signals per instance:
 
@@ -27,65 +29,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer.secure import cluster_keys, secure_client
-from server.backend import BackendError, GenRequest, TokenEvent
-from server.messages import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
+from server.backends.base import BackendError, GenRequest, TokenEvent
+from server.backends.instances import Instance
+from server.backends.leg import Leg, LegLost, LegState
+from server.workers.rpc import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
 
 log = logging.getLogger(__name__)
 
 
-def parse_addrs(value: str | list[str] | None, default_port: int) -> list[str]:
-    """``"h1 h2:5600,h3"`` -> ``["h1:<default_port>", "h2:5600", "h3:<default_port>"]``.
-    Raises ValueError naming a bad entry."""
-    if value is None:
-        return []
-    items = value if isinstance(value, list) else value.replace(",", " ").split()
-    out = []
-    for it in items:
-        host, _, port = it.strip().rpartition(":") if ":" in it else (it.strip(), "", str(default_port))
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"instance address {it!r}: expected host or host:port")
-        out.append(f"{host}:{int(port)}")
-    return out
-
-
-@dataclass
-class Instance:
-    """One worker instance as the gateway sees it."""
-
-    role: str
-    addr: str
-    sock: zmq.asyncio.Socket
-    load: dict = field(default_factory=dict)
-    unanswered: int = 1 << 30         # pings sent since its last message (counted by the pinger, so a
-    inflight: int = 0                 # busy gateway loop cannot make a live instance look stale)
-    connected: bool = False           # ZMTP handshake done and heartbeats answered
-    instance_id: str | None = None    # of the process behind addr (a new one: it restarted)
-    legs: set[str] = field(default_factory=set)     # transfer ids with a leg here
-
-    def healthy(self, max_unanswered: int) -> bool:
-        return self.connected and bool(self.load.get("ready")) and self.unanswered <= max_unanswered
-
-    def score(self) -> float:
-        ld = self.load
-        if self.role == "decode":
-            busy = ld.get("running", 0) + ld.get("reserved", 0) + ld.get("queued", 0) + self.inflight
-            return busy / max(1, ld.get("batch_size", 1)) + ld.get("kv_usage", 0.0)
-        return self.inflight + ld.get("waiting", 0)
-
-
-class _Lost(Exception):
-    """A leg's instance died or restarted before token #1 reached the client: retry the sample."""
-
-
 class PDBackend:
-    """Implements ``server.backend.Backend`` over prefill / decode workers.
+    """Implements ``server.backends.base.Backend`` over prefill / decode workers.
 
     Args:
         prefill_addrs / decode_addrs: ``host:port`` of each instance's request endpoint.
@@ -294,7 +253,7 @@ class PDBackend:
                 async for ev in inner:
                     yield ev
                 return
-            except _Lost as e:
+            except LegLost as e:
                 attempt += 1
                 if attempt > self.max_retries:
                     raise BackendError(f"{e} (gave up after {attempt} attempts)", 502) from None
@@ -304,119 +263,115 @@ class PDBackend:
                 await inner.aclose()
 
     async def _sample(self, req: GenRequest, rid: str) -> AsyncIterator[TokenEvent]:
-        """One attempt under transfer id ``rid``. Raises _Lost before its first event if an instance
+        """One attempt under transfer id ``rid``. Raises LegLost before its first event if an instance
         of its legs is lost, BackendError otherwise."""
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = q
-        deadline = req.deadline
         dec = self._pick("decode")
         if dec is None or self._pick("prefill") is None:
-            del self._streams[rid]
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
-        pre = dec                        # until prefill is picked (after the reservation)
-        dec.inflight += 1
-        dec.legs.add(rid)
-        legs = [dec]
-        finished = yielded = pre_done = False
-        params = params_to_dict(req.params)
-        left = {} if deadline is None else {"deadline_s": max(0.001, deadline - time.monotonic())}
-
-        def lost(msg: dict) -> Exception:
-            what = f"{msg['role']} instance {msg['addr']} {msg['why']}"
-            return _Lost(what) if not yielded else BackendError(what + " mid-stream", 502)
+        leg = Leg(rid, dec)
+        self._streams[rid] = leg.queue
         try:
-            await self._send(dec, {"op": "reserve", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,
-                                   "lease_s": self.lease_s, **left})
-            op, msg = await self._get(q, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
-                                      deadline)
-            if op == "lost":
-                raise lost(msg)
-            if op == "error" and msg.get("retry"):      # draining: refused before it knew; go elsewhere
-                dec.load["ready"] = False
-                raise _Lost(f"decode instance {dec.addr}: {msg.get('message')}")
-            if op != "reserved":
-                raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
-            picked = self._pick("prefill")    # chosen now: the least loaded when the state has a place
-            if picked is None:
-                raise BackendError("no healthy prefill instance", 503)
-            pre = picked
-            legs.append(pre)
-            pre.inflight += 1
-            pre.legs.add(rid)
-            if deadline is not None:
-                left["deadline_s"] = max(0.001, deadline - time.monotonic())
-            await self._send(pre, {"op": "prefill", "rid": rid, "prompt_ids": req.prompt_ids, "params": params,
-                                   "dest": msg["state_addr"], **left})
-            early = []                 # decode's tokens can overtake prefill's reply (two sockets)
-            while True:
-                op, msg = await self._get(q, self.first_token_timeout_s, f"prefill {pre.addr}", deadline)
-                if op == "first":
-                    break
-                if op == "lost":
-                    raise lost(msg)
-                if op == "error" and msg.get("retry"):
-                    pre.load["ready"] = False
-                    raise _Lost(f"prefill instance {pre.addr}: {msg.get('message')}")
-                if op == "error":
-                    raise BackendError(msg.get("message", "prefill failed"), int(msg.get("status", 502)))
-                if op == "out":
-                    early.append(msg)
-            pre.inflight -= 1
-            legs.remove(pre)
-            tok = msg["id"]
-            yielded = True
-            yield TokenEvent([tok], unpack_sampled([tok], msg.get("lps")), bool(msg["done"]), msg.get("reason"),
-                             len(req.prompt_ids), msg.get("queue_s"))
-            if msg["done"]:                  # token #1 ended it: free decode's reservation now
-                finished = True
-                pre.legs.discard(rid)
+            params = params_to_dict(req.params)
+            dest = await self._reserve(leg, req, params)
+            first, early = await self._prefill(leg, req, params, dest)
+            leg.first_token()
+            tok = first["id"]
+            yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
+                             len(req.prompt_ids), first.get("queue_s"))
+            if first["done"]:                  # token #1 ended it: free decode's reservation now
+                leg.finished()
                 with contextlib.suppress(BackendError):
                     await self._send(dec, {"op": "abort", "rid": rid})
                 return
-            pending = list(early)
-            grace = None            # prefill lost after token #1: decode may still have the commit
+            pending = [("out", m) for m in early]
             while True:
-                if pending:
-                    op, msg = "out", pending.pop(0)
-                elif grace is not None:
-                    try:
-                        op, msg = await self._get(q, max(0.0, grace[0] - time.monotonic()), "", deadline)
-                    except BackendError as e:
-                        if e.status != 504 or "deadline" in str(e):
-                            raise
-                        raise lost(grace[1]) from None
-                else:
-                    op, msg = await self._get(q, self.token_timeout_s, f"decode {dec.addr}", deadline)
-                if op == "out":
-                    if not pre_done:             # decode runs it: the state was committed
-                        pre_done, grace = True, None
-                        pre.legs.discard(rid)
-                    ids = list(msg.get("ids") or [])
-                    yield TokenEvent(ids, unpack_sampled(ids, msg.get("lps")), bool(msg.get("done")),
-                                     msg.get("reason"), len(req.prompt_ids))
-                    if msg.get("done"):
-                        finished = True
+                op, msg = pending.pop(0) if pending else await self._next(leg, req.deadline)
+                ev = self._on_decode(leg, op, msg, len(req.prompt_ids))
+                if ev is not None:
+                    yield ev
+                    if ev.finished:
+                        leg.finished()
                         return
-                elif op == "error":
-                    raise BackendError(msg.get("message", "decode failed"), int(msg.get("status", 502)))
-                elif op == "lost":
-                    if msg["role"] == "prefill" and pre_done:
-                        continue
-                    if msg["role"] == "prefill":    # wait briefly for decode's first tokens
-                        grace = (time.monotonic() + self.worker_timeout_s, msg)
-                        continue
-                    raise lost(msg)
-                elif op == "transferred" and not pre_done:
-                    pre_done, grace = True, None
-                    pre.legs.discard(rid)
         finally:
             self._streams.pop(rid, None)
-            dec.legs.discard(rid)
-            pre.legs.discard(rid)
-            for inst in legs:
-                inst.inflight -= 1
-            if not finished:
-                for inst in {id(i): i for i in (dec, pre)}.values():
-                    with contextlib.suppress(BackendError):
-                        await self._send(inst, {"op": "abort", "rid": rid})
+            for inst in leg.release():
+                with contextlib.suppress(BackendError):
+                    await self._send(inst, {"op": "abort", "rid": rid})
 
+    @staticmethod
+    def _left(deadline: float | None) -> dict:
+        """``{"deadline_s": seconds the sample may still run}`` for a worker message ({}: no deadline)."""
+        return {} if deadline is None else {"deadline_s": max(0.001, deadline - time.monotonic())}
+
+    async def _reserve(self, leg: Leg, req: GenRequest, params: dict) -> str:
+        """RESERVING: decode reserves the sample's state. Returns the reservation's state address.
+        Raises LegLost (decode lost, or draining), BackendError (decode refused: its status)."""
+        dec = leg.decode
+        await self._send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, "params": params,
+                               "lease_s": self.lease_s, **self._left(req.deadline)})
+        op, msg = await self._get(leg.queue, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
+                                  req.deadline)
+        if op == "lost":
+            raise leg.lost(msg)
+        if op == "error" and msg.get("retry"):      # draining: refused before it knew; go elsewhere
+            dec.load["ready"] = False
+            raise LegLost(f"decode instance {dec.addr}: {msg.get('message')}")
+        if op != "reserved":
+            raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
+        return msg["state_addr"]
+
+    async def _prefill(self, leg: Leg, req: GenRequest, params: dict, dest: str) -> tuple[dict, list[dict]]:
+        """PREFILLING: the least-loaded prefill instance (chosen now, when the state has a place)
+        computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
+        ``out`` messages that overtook it (two sockets). Raises LegLost / BackendError."""
+        pre = self._pick("prefill")
+        if pre is None:
+            raise BackendError("no healthy prefill instance", 503)
+        leg.prefill_on(pre)
+        await self._send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, "params": params,
+                               "dest": dest, **self._left(req.deadline)})
+        early = []
+        while True:
+            op, msg = await self._get(leg.queue, self.first_token_timeout_s, f"prefill {pre.addr}", req.deadline)
+            if op == "first":
+                return msg, early
+            if op == "lost":
+                raise leg.lost(msg)
+            if op == "error" and msg.get("retry"):
+                pre.load["ready"] = False
+                raise LegLost(f"prefill instance {pre.addr}: {msg.get('message')}")
+            if op == "error":
+                raise BackendError(msg.get("message", "prefill failed"), int(msg.get("status", 502)))
+            if op == "out":
+                early.append(msg)
+
+    async def _next(self, leg: Leg, deadline: float | None) -> tuple[str, dict]:
+        """The attempt's next event after token #1. While a lost prefill's grace runs (decode may
+        still get the commit), its expiry raises that loss."""
+        if leg.grace_until is None:
+            return await self._get(leg.queue, self.token_timeout_s, f"decode {leg.decode.addr}", deadline)
+        try:
+            return await self._get(leg.queue, max(0.0, leg.grace_until - time.monotonic()), "", deadline)
+        except BackendError as e:
+            if e.status != 504 or "deadline" in str(e):
+                raise
+            raise leg.lost(leg.grace_loss) from None
+
+    def _on_decode(self, leg: Leg, op: str, msg: dict, num_prompt: int) -> TokenEvent | None:
+        """TRANSFERRING / DECODING: one event from the workers -> the tokens to deliver (None: none).
+        Raises BackendError (decode failed, or lost mid-stream)."""
+        if op == "out":
+            leg.committed()                     # decode runs it: the state was committed
+            ids = list(msg.get("ids") or [])
+            return TokenEvent(ids, unpack_sampled(ids, msg.get("lps")), bool(msg.get("done")), msg.get("reason"),
+                              num_prompt)
+        if op == "error":
+            raise BackendError(msg.get("message", "decode failed"), int(msg.get("status", 502)))
+        if op == "lost":
+            if msg["role"] != "prefill":
+                raise leg.lost(msg)
+            if leg.state is LegState.TRANSFERRING:      # wait briefly for decode's first tokens
+                leg.grace_until, leg.grace_loss = time.monotonic() + self.worker_timeout_s, msg
+        elif op == "transferred":
+            leg.committed()
+        return None

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from server.launcher import _term_with_parent
+from server.launch.local import term_with_parent
 
 BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 log = logging.getLogger(__name__)
@@ -96,8 +96,8 @@ def spawn_ranks(env: RankEnv, argv: list[str]) -> dict[int, subprocess.Popen]:
     for r in env.spawn:
         child = dict(os.environ, RANK=str(r), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(r - env.rank),
                      MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
-        procs[r] = subprocess.Popen([sys.executable, "-m", "server.cli", *argv, "--rank-port", str(env.rank_port)],
-                                    env=child, preexec_fn=_term_with_parent)
+        procs[r] = subprocess.Popen([sys.executable, "-m", "server.launch.cli", *argv,
+                                     "--rank-port", str(env.rank_port)], env=child, preexec_fn=term_with_parent)
     return procs
 
 

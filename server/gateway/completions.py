@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.core.sampling_params import MAX_LOGPROBS, Sampled
-from server.backend import TokenEvent
-from server.jobs import (Job, Piece, Sample, check_common, check_stops, refuse_not_done, sample_seed, sampling_params,
-                         sse, usage)
-from server.protocol import ApiError, CompletionRequest, error_body
+from server.backends.base import TokenEvent
+from server.gateway.jobs import (Job, Piece, Sample, check_common, check_stops, refuse_not_done, sample_seed,
+                                 sampling_params, sse, usage)
+from server.gateway.protocol import ApiError, CompletionRequest, error_body
 
 _MIN_LOGPROB = -9999.0          # JSON has no -inf (vLLM clamps the same way)
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import deepseek_recipe as dr
 
-from server.format_errors import image_part, locate, too_deep
-from server.protocol import ApiError
+from server.gateway.format_errors import image_part, locate, too_deep
+from server.gateway.protocol import ApiError
 
 #: The recipe's model version whose encoding the DeepSeek-V4 checkpoints (Flash and Pro) use.
 V4 = dr.ModelVersion.DeepseekV4Pro

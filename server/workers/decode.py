@@ -20,8 +20,8 @@ from engine.core.request import RequestOutput
 from kvtransfer.assembler import TransferTable
 from kvtransfer.transport import make_receiver
 from kvtransfer.wire import TransferError, decode_header, decode_state
-from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
-from server.worker import Worker, WorkerOptions
+from server.workers.base import Worker, WorkerOptions
+from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 
 log = logging.getLogger(__name__)
 
