@@ -107,7 +107,7 @@ def labelled_ops(base=None):
 
 def labelled_model(ckpt, dtype):
     """The model on ``labelled_ops``, with ``model.logits`` (the LM head) labelled ``lm_head``."""
-    from engine.weights import load_model
+    from engine.checkpoint.loader import load_model
 
     m = load_model(ckpt, dtype=dtype, ops=labelled_ops(), progress=False)
     m.logits = _label(HEAD, m.logits)
@@ -399,8 +399,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    from engine.tiny import make_tiny
-    from engine.weights import load_model
+    from engine.checkpoint.loader import load_model
+    from engine.checkpoint.make_tiny import make_tiny
 
     if a.threads:
         torch.set_num_threads(a.threads)

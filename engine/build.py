@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.loader import load_model
 from engine.config import ConfigError, ModelArgs
 from engine.llm_engine import LLMEngine
 from engine.ops import ops_for
 from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.runner import DecodeRunner, ExecConfig
-from engine.weights import load_model
 
 log = logging.getLogger(__name__)
 

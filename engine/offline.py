@@ -25,12 +25,12 @@ from tqdm import tqdm
 import deepseek_recipe as dr
 
 from engine.build import build_engine
+from engine.checkpoint.loader import CheckpointError
 from engine.config import ConfigError
 from engine.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer, TokenizerError
-from engine.weights import CheckpointError
 
 
 TEMPLATE_TOKENS = 8          # chat-template ids around a prompt (BOS, role markers, </think>), with margin

@@ -171,8 +171,8 @@ def _model_name(args, cfg) -> str:
 
 def run_worker(args) -> int:
     from engine.build import build_engine
+    from engine.checkpoint.loader import CheckpointError
     from engine.config import ConfigError
-    from engine.weights import CheckpointError
     from server.worker import WorkerOptions
     cfg = _load_config(args)
     prefill = args.role == "prefill"

@@ -7,8 +7,8 @@ import engine  # noqa: F401  - sets MKL_CBWR before any GEMM (engine/__init__.py
 import pytest
 
 from engine.build import build_engine
+from engine.checkpoint.make_tiny import make_tiny
 from engine.run_config import RunConfig
-from engine.tiny import make_tiny
 from server.launcher import log_tail
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cache import CacheConfig, PagedCache
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 # prompt lengths: a decode at position p = length. Covers p < window, the first CSA entry (p = 3),
 # CSA windows closing (p % 4 == 3) and not, the first HCA entry (p = 127), HCA closing at 255,

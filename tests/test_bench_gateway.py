@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench import bench_gateway as bg
+from engine.checkpoint.make_tiny import copy_tokenizer
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.tiny import copy_tokenizer
 from server.backend import GenRequest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.cache import CacheConfig, CacheFullError, Geometry, PagedCache, plan_cache
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 
 @pytest.fixture(scope="module")

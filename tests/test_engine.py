@@ -6,11 +6,11 @@ import random
 import pytest
 
 from engine.cache import CacheConfig
+from engine.checkpoint.loader import load_model
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.scheduler import SchedulerLimits
 from engine.sequence import FinishReason
-from engine.weights import load_model
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ would let a client forge turns (a fake ``<｜Assistant｜>``, an early ``</think
 * the served name: only ``deepseek_v4`` is accepted (404 in the API's error shape otherwise), and a
   chat request without a ``model`` is served.
 
-The tokenizer is the real DeepSeek-V4 one (``engine.tiny.copy_tokenizer``, the file every tiny
+The tokenizer is the real DeepSeek-V4 one (``engine.checkpoint.make_tiny.copy_tokenizer``, the file every tiny
 checkpoint ships); no model weights are needed.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tiny import copy_tokenizer
+from engine.checkpoint.make_tiny import copy_tokenizer
 from engine.tokenizer import Tokenizer
 from server.gateway import create_app
 from serve_util import ScriptedBackend

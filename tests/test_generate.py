@@ -5,9 +5,9 @@ import sys
 
 import torch
 
+from engine.checkpoint.loader import load_model
 from engine.generate import generate_greedy
 from engine.tokenizer import Tokenizer
-from engine.weights import load_model
 
 
 def cli(*args):

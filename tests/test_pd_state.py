@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine.cache import CacheFullError, expected_shapes
+from engine.checkpoint.loader import load_model
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
-from engine.weights import load_model
 
 
 @pytest.fixture(scope="module")

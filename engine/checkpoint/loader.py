@@ -7,7 +7,7 @@ mis-typed tensor, or a truncated shard, raises ``CheckpointError`` with one line
 tensor (or shard) and expected vs found. Tensors are then read lazily (one at a time, through
 ``safetensors.safe_open``), dequantised (FP8 block / MXFP4, reference §2.1; the converted
 int8 / int4 / MXFP8 / MXFP4 / HiF8 layouts of §7) and copied into the model's compute dtype. A
-converted linear's activation quantisation (``engine.qscheme.ACT_SCHEME``) is set on its module.
+converted linear's activation quantisation (``engine.checkpoint.qscheme.ACT_SCHEME``) is set on its module.
 """
 from __future__ import annotations
 
@@ -23,15 +23,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from engine.checkpoint import LinearSpec, TensorSpec, checkpoint_layout, linear_tensors, model_linears
+from engine.checkpoint.fp8_mxfp4 import QuantFormatError, dequant_fp8_block, dequant_mxfp4
+from engine.checkpoint.hif8 import hif8_decode
+from engine.checkpoint.int8_int4 import dequant_int, int4_bias, u64_to_scale, unpack_int4_rows
+from engine.checkpoint.layout import LinearSpec, TensorSpec, checkpoint_layout, linear_tensors, model_linears
+from engine.checkpoint.mx import dequant_mx
+from engine.checkpoint.qscheme import ACT_SCHEME
 from engine.config import ModelArgs
 from engine.model.layers import deferred_params, materialize
 from engine.model.transformer import Transformer
 from engine.ops import REFERENCE, Ops
-from engine.hif8 import hif8_decode
-from engine.qformats import dequant_int, dequant_mx, int4_bias, u64_to_scale, unpack_int4_rows
-from engine.qscheme import ACT_SCHEME
-from engine.quant import QuantFormatError, dequant_fp8_block, dequant_mxfp4
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -251,7 +252,7 @@ def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:
 
 
 def dequant_linear(name: str, kind: str, get, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Dense fp32 ``[out, in]`` of linear ``name`` stored as ``kind`` (``engine.checkpoint`` kinds).
+    """Dense fp32 ``[out, in]`` of linear ``name`` stored as ``kind`` (``engine.checkpoint.layout`` kinds).
 
     Args:
         get: ``tensor name -> torch.Tensor`` (a shard reader).
