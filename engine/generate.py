@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import CheckpointError, load_model
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.shards import CheckpointError
 from engine.config import ConfigError, ModelArgs
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer, TokenizerError

@@ -25,7 +25,7 @@ from tqdm import tqdm
 import deepseek_recipe as dr
 
 from engine.build import build_engine
-from engine.checkpoint.loader import CheckpointError
+from engine.checkpoint.shards import CheckpointError
 from engine.config import ConfigError
 from engine.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 from engine.run_config import RunConfig

@@ -171,7 +171,7 @@ def _model_name(args, cfg) -> str:
 
 def run_worker(args) -> int:
     from engine.build import build_engine
-    from engine.checkpoint.loader import CheckpointError
+    from engine.checkpoint.shards import CheckpointError
     from engine.config import ConfigError
     from server.worker import WorkerOptions
     cfg = _load_config(args)

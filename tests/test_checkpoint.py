@@ -10,8 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.fp8_mxfp4 import dequant_fp8_block
 from engine.checkpoint.layout import checkpoint_layout
-from engine.checkpoint.loader import CheckpointError, load_model, scan_checkpoint
+from engine.checkpoint.loader import load_model
 from engine.checkpoint.make_tiny import main as make_tiny_main
+from engine.checkpoint.shards import CheckpointError, scan_checkpoint
 from engine.config import ConfigError, ModelArgs
 from engine.tokenizer import Tokenizer
 

@@ -19,9 +19,10 @@ from engine.checkpoint import convert_model as cm
 from engine.checkpoint.convert_config import BACKUP, convert_config
 from engine.checkpoint.convert_config import main as config_main
 from engine.checkpoint.layout import model_linears
-from engine.checkpoint.loader import dequant_linear, load_model, scan_checkpoint
+from engine.checkpoint.loader import dequant_linear, load_model
 from engine.checkpoint.make_tiny import PRESETS, make_tensors, write_shards
 from engine.checkpoint.qscheme import QUANT_TYPES
+from engine.checkpoint.shards import scan_checkpoint
 from engine.config import ModelArgs
 from engine.llm_engine import LLMEngine
 from engine.platform import detect
