@@ -34,7 +34,7 @@ def worker(impl: str, kind: str, ckpt: str, length: int, steps: int, chunk: int)
 
     ids = torch.randint(2, 129280, (length,), generator=torch.Generator().manual_seed(0))
     if impl == "ours":
-        from engine.weights import load_model
+        from engine.checkpoint.loader import load_model
 
         model = load_model(ckpt, progress=False)
         state = model.new_state()
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     ckpt = a.ckpt
     if ckpt is None:
-        from engine.tiny import make_tiny
+        from engine.checkpoint.make_tiny import make_tiny
 
         ckpt = str(make_tiny("flash", 0, Path(tempfile.mkdtemp()) / "tiny-flash"))
     lengths = [int(x) for x in a.lengths.split(",")]

@@ -38,10 +38,10 @@ def _worker(rank: int, world: int, port: int, args, out: str) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
+    from engine.checkpoint.loader import load_model
     from engine.parallel.cp import cp_prefill
     from engine.parallel.shard import apply_parallel
     from engine.run_config import ParallelConfig
-    from engine.weights import load_model
     pc = ParallelConfig(world_size=world, cp_size=world, lmhead_tp_size=world)
     t = time.perf_counter()                           # sharded before loading: each rank reads its shard
     model = load_model(args.ckpt, dtype=torch.float32, device="cpu", progress=False,
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 1 or args.batch % w for w in worlds):
         p.error(f"--worlds {args.worlds}: each must be >= 1 and divide --batch {args.batch}")
     if args.ckpt is None:
-        from engine.tiny import make_tiny
+        from engine.checkpoint.make_tiny import make_tiny
         args.ckpt = str(make_tiny("flash", 1, tempfile.mkdtemp(prefix="dsv4-bench-")))
     from server.launch.local import free_port
     rows = []

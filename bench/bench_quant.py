@@ -24,15 +24,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.checkpoint import model_linears  # noqa: E402
-from engine.qscheme import QUANT_TYPES  # noqa: E402
-from engine.tiny import make_tiny  # noqa: E402
-from engine.weights import ShardReader, dequant_linear, load_model, scan_checkpoint  # noqa: E402
+from engine.checkpoint.layout import model_linears  # noqa: E402
+from engine.checkpoint.loader import dequant_linear, load_model  # noqa: E402
+from engine.checkpoint.make_tiny import make_tiny  # noqa: E402
+from engine.checkpoint.qscheme import QUANT_TYPES  # noqa: E402
+from engine.checkpoint.shards import ShardReader, scan_checkpoint  # noqa: E402
 
 _CONVERT = r"""
 import json, sys, time
 from pathlib import Path
-from engine import convert_model as cm
+from engine.checkpoint import convert_model as cm
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
 open("/proc/self/clear_refs", "w").write("5")

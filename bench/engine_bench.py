@@ -139,8 +139,8 @@ class Laps:
 
 def _load(a: argparse.Namespace):
     """(checkpoint dir, model), writing the default tiny checkpoint if missing; None if ``--ckpt`` is wrong."""
-    from engine.tiny import make_tiny
-    from engine.weights import load_model
+    from engine.checkpoint.make_tiny import make_tiny
+    from engine.checkpoint.loader import load_model
 
     ckpt = Path(a.ckpt)
     if not (ckpt / "config.json").is_file():

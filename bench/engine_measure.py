@@ -67,7 +67,7 @@ def labelled_ops(base=None):
 
 def labelled_model(ckpt, dtype):
     """The model on ``labelled_ops``, with ``model.logits`` (the LM head) labelled ``lm_head``."""
-    from engine.weights import load_model
+    from engine.checkpoint.loader import load_model
 
     m = load_model(ckpt, dtype=dtype, ops=labelled_ops(), progress=False)
     m.logits = _label(HEAD, m.logits)

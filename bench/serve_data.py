@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.dataset import truncate_middle
+from engine.tools.dataset import truncate_middle
 
 RANDOM_ID_RANGE = (1000, 60000)          # [low, high) of random prompt ids
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048     # vLLM is_valid_sequence

@@ -29,8 +29,8 @@ from engine.ops import ops_for  # noqa: E402
 from engine.platform import detect  # noqa: E402
 from engine.core.model_runner import DecodeRunner, ExecConfig  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.tiny import make_tiny  # noqa: E402
-from engine.weights import load_model  # noqa: E402
+from engine.checkpoint.make_tiny import make_tiny  # noqa: E402
+from engine.checkpoint.loader import load_model  # noqa: E402
 
 MAX_LEN = 2048
 

@@ -13,7 +13,7 @@ from engine.ops import ops_for
 from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.core.model_runner import DecodeRunner, ExecConfig
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.qscheme import parse_compressed_tensors
+from engine.checkpoint.qscheme import parse_compressed_tensors
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class FP8Quant:
     fmt: str = "e4m3"
     scale_fmt: str = "ue8m0"
     activation_scheme: str = "dynamic"
-    # converted layout (§7; engine.qscheme.QUANT_TYPES) or None for the original tensors
+    # converted layout (§7; engine.checkpoint.qscheme.QUANT_TYPES) or None for the original tensors
     quant_type: str | None = None
     # a compressed-tensors quantization_config (§1.3), kept as read and written back by to_dict
     compressed: dict | None = field(default=None, compare=False, repr=False)

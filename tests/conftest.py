@@ -8,7 +8,7 @@ import pytest
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
-from engine.tiny import make_tiny
+from engine.checkpoint.make_tiny import make_tiny
 from server.launch.local import log_tail
 
 

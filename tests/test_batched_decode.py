@@ -7,7 +7,7 @@ import torch
 
 from engine.core.block_manager import CacheConfig
 from engine.core.kv_cache import PagedCache
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 # prompt lengths: a decode at position p = length. Covers p < window, the first CSA entry (p = 3),
 # CSA windows closing (p % 4 == 3) and not, the first HCA entry (p = 127), HCA closing at 255,

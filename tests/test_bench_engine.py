@@ -12,8 +12,8 @@ import torch
 
 from bench import roofline as R
 from bench.engine_bench import attribute, main as bench_main, synthetic_paged
+from engine.checkpoint.loader import load_model
 from engine.config import ModelArgs
-from engine.weights import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

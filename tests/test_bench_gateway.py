@@ -14,7 +14,7 @@ import pytest
 from bench import gateway_replay as bg
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from engine.tiny import copy_tokenizer
+from engine.checkpoint.make_tiny import copy_tokenizer
 from server.backends.base import GenRequest
 
 ROOT = Path(__file__).resolve().parents[1]

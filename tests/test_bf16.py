@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import torch
 
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry, plan_cache
 from engine.core.kv_cache import PagedCache
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import checkpoint_layout
+from engine.checkpoint.fp8_mxfp4 import dequant_fp8_block
+from engine.checkpoint.layout import checkpoint_layout
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.make_tiny import main as make_tiny_main
+from engine.checkpoint.shards import CheckpointError, scan_checkpoint
 from engine.config import ConfigError, ModelArgs
-from engine.quant import dequant_fp8_block
-from engine.tiny import main as make_tiny_main
 from engine.tokenizer import Tokenizer
-from engine.weights import CheckpointError, load_model, scan_checkpoint
 
 INDEX = "model.safetensors.index.json"
 
@@ -53,7 +54,7 @@ def test_make_tiny_is_deterministic_and_refuses_nonempty_out(tmp_path, capsys):
 
 
 def test_make_tiny_interrupted_leaves_nothing_and_bad_out_is_named(tmp_path, monkeypatch, capsys):
-    import engine.tiny as tiny
+    import engine.checkpoint.make_tiny as tiny
 
     def boom(out):
         raise KeyboardInterrupt

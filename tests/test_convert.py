@@ -15,18 +15,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import convert_model as cm
-from engine.checkpoint import model_linears
+from engine.checkpoint import convert_model as cm
+from engine.checkpoint.layout import model_linears
 from engine.config import ModelArgs
-from engine.convert_config import BACKUP, convert_config
-from engine.convert_config import main as config_main
+from engine.checkpoint.convert_config import BACKUP, convert_config
+from engine.checkpoint.convert_config import main as config_main
 from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
-from engine.qscheme import QUANT_TYPES
+from engine.checkpoint.qscheme import QUANT_TYPES
 from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.sampling_params import SamplingParams
-from engine.tiny import PRESETS, make_tensors, write_shards
-from engine.weights import dequant_linear, load_model, scan_checkpoint
+from engine.checkpoint.make_tiny import PRESETS, make_tensors, write_shards
+from engine.checkpoint.loader import dequant_linear, load_model
+from engine.checkpoint.shards import scan_checkpoint
 
 # Mean relative logit error vs the original FP8-MXFP4 model (fp32 compute, 200-token prompt), and
 # why. Measured (seed 1): w8a8-int 0.011, w4a8-mx 0.024, w4a8-int 0.042, w4a8-mx-hif 0.042.
@@ -320,7 +321,7 @@ def test_interrupted_conversion_resumes_where_it_stopped(orig, tmp_path, monkeyp
 _MEM_SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from engine import convert_model as cm
+from engine.checkpoint import convert_model as cm
 
 def status(key):   # kB
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])

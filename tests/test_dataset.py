@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.dataset import (DatasetError, Sample, build_prompt, load_dataset, truncate_middle,
-                            write_sample_infinitebench)
+from engine.tools.dataset import (DatasetError, Sample, build_prompt, load_dataset, truncate_middle,
+                                  write_sample_infinitebench)
 
 SHIPPED = Path(__file__).resolve().parents[1] / "data" / "infinitebench_sample.jsonl"
 GOOD = {"id": 0, "context": "A book.", "input": "What?", "answer": ["this"], "options": []}

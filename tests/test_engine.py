@@ -10,7 +10,7 @@ from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """OpenAI gateway: a real uvicorn server, the real ``openai`` client, LocalBackend over the tiny engine.
 
-Expected values come from the same engine run directly (``engine.generate``) before the server
+Expected values come from the same engine run directly (``engine.tools.generate``) before the server
 starts: greedy text, seeded samples, logprobs; chat prompt ids are DeepSeek's recipe's encoding
 (``server.gateway.dsformat``). The app runs with thinking off by default so the random model's text lands in
 ``content`` (stop strings apply to content only); thinking mode is checked on its own. DSML tool-call
@@ -52,7 +52,7 @@ def stack(tiny_ckpt):
                            "messages")
     assert chat_ids[-2:] == [128804, 128822] and think_ids[-2:] == [128804, 128821]   # </think> vs <think>
     cmpl_ids = tok.encode(COMPLETION_PROMPT, add_bos=True)
-    gen = engine.generate
+    gen = engine.tools.generate
     ref = {
         "chat": gen([chat_ids], _greedy(12))[0].output_ids,
         "think": gen([think_ids], _greedy(6))[0].output_ids,

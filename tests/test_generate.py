@@ -5,19 +5,19 @@ import sys
 
 import torch
 
-from engine.generate import generate_greedy
+from engine.checkpoint.loader import load_model
 from engine.tokenizer import Tokenizer
-from engine.weights import load_model
+from engine.tools.generate import generate_greedy
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine.generate", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "engine.tools.generate", *args], capture_output=True, text=True,
                           timeout=300, errors="surrogateescape")
 
 
 def test_non_finite_logits_are_an_error_not_tokens(tiny_ckpt):
     import pytest
-    from engine.generate import NonFiniteLogits
+    from engine.tools.generate import NonFiniteLogits
 
     model = load_model(tiny_ckpt("flash", 1), progress=False)
     model.head.weight.data[5] = float("nan")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.build import build_engine, check_platform_version, exec_config
+from engine.checkpoint.loader import load_model
 from engine.config import ConfigError
 from engine.platform import soc_platform
 from engine.core.llm_engine import LLMEngine
@@ -15,7 +16,6 @@ from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.core.model_runner import DecodeRunner, ExecConfig, buckets
 from engine.core.sampling_params import SamplingParams
-from engine.weights import load_model
 
 MAX_LEN = 1024
 # logprob tolerance: the static step sums the same fp32 terms in another order (masked padding

@@ -1,10 +1,10 @@
-"""HiFloat8 codec: code table, ties-away rounding, saturation, per-row quant (engine/hif8.py docstring)."""
+"""HiFloat8 codec: code table, ties-away rounding, saturation, per-row quant (engine/checkpoint/hif8.py docstring)."""
 import math
 
 import pytest
 import torch
 
-from engine.hif8 import HIF8_MAX, hif8_decode, hif8_encode, hif8_quant_per_channel, hif8_round
+from engine.checkpoint.hif8 import HIF8_MAX, hif8_decode, hif8_encode, hif8_quant_per_channel, hif8_round
 
 ALL = torch.arange(256, dtype=torch.uint8)
 

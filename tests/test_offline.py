@@ -10,18 +10,18 @@ import pytest
 import yaml
 
 from engine.build import build_engine
-from engine.dataset import build_prompt, load_dataset
-from engine.offline import chat_encoding, encode_sample
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from engine.tools.dataset import build_prompt, load_dataset
+from engine.tools.offline import chat_encoding, encode_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "infinitebench_sample.jsonl"
 
 
 def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "engine.offline", *map(str, args)], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "engine.tools.offline", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 

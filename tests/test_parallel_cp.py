@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from engine.checkpoint.loader import load_model
 from engine.parallel.cp import zigzag_chunks
-from engine.weights import load_model
 
 TOL = 1e-5
 LENGTHS = (1000, 2 * 2 * 128, 100)          # not aligned, exactly 2*cp chunks at cp 2, empty chunks

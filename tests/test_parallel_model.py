@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from engine.checkpoint.convert_model import convert_model
+from engine.checkpoint.loader import load_model
 from engine.config import ConfigError
-from engine.convert_model import convert_model
 from engine.parallel.shard import apply_parallel, forward_idle
 from engine.run_config import ParallelConfig
-from engine.weights import load_model
 
 TOL = 1e-5
 BF16_TOL = 3e-2                             # relative (``_rel``): bf16 vs fp32 is ~1e-2; a wrong byte view is O(1)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 from hf_oracle import HFPicks, TieGuard, hf_logits, hf_logits_forced, load_hf, picks_agree
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engine.build import build_engine
-from engine.convert_model import convert_model
+from engine.checkpoint.convert_model import convert_model
 from engine.run_config import RunConfig
 from pd_util import CONFIG, assert_completions_match, start_pd, wait_idle
 

@@ -9,7 +9,7 @@ from engine.core.block_manager import CacheFullError
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.pd_state import expected_shapes
 from engine.core.sampling_params import SamplingParams
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 
 
 @pytest.fixture(scope="module")

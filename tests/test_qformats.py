@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.checkpoint.fp8_mxfp4 import QuantFormatError, dequant_mxfp4
+from engine.checkpoint.int8_int4 import (dequant_int, int4_bias, pack_int4_rows, quant_int4, quant_int8, scale_to_u64,
+                                         u64_to_scale, unpack_int4_rows)
+from engine.checkpoint.mx import dequant_mx, quant_mx
+from engine.checkpoint.qscheme import compressed_tensors_config, linear_format, parse_compressed_tensors
 from engine.ops import reference
-from engine.qformats import (dequant_int, dequant_mx, int4_bias, pack_int4_rows, quant_int4, quant_int8, quant_mx,
-                             scale_to_u64, u64_to_scale, unpack_int4_rows)
-from engine.qscheme import compressed_tensors_config, linear_format, parse_compressed_tensors
-from engine.quant import QuantFormatError, dequant_mxfp4
 
 G = torch.Generator().manual_seed(0)
 
@@ -174,7 +175,7 @@ def test_mxfp4_negative_zero_keeps_its_sign_bit_as_upstream():
 
 
 def test_loader_accepts_an_upstream_bf16_int4_bias_and_refuses_a_foreign_one():
-    from engine.weights import dequant_linear
+    from engine.checkpoint.loader import dequant_linear
     w = torch.randn(16, 64, generator=G) * 0.05
     q, s = quant_int4(w)
     sb = s.to(torch.bfloat16)                            # upstream: bf16 scale and bf16 arithmetic

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine.quant import (QuantFormatError, dequant_fp8_block, dequant_mxfp4, e4m3_to_float, e8m0_to_float,
+from engine.checkpoint.fp8_mxfp4 import (QuantFormatError, dequant_fp8_block, dequant_mxfp4, e4m3_to_float, e8m0_to_float,
                           quant_fp8_block, quant_mxfp4, unpack_fp4)
 
 

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.checkpoint.make_tiny import PRESETS
 from engine.config import ConfigError, ModelArgs
 from engine.run_config import CustomParams, ModelConfig, ParallelConfig, RunConfig, SchedulerConfig
-from engine.tiny import PRESETS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))

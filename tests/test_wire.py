@@ -7,7 +7,7 @@ import torch
 
 from engine.core.llm_engine import LLMEngine
 from engine.core.sampling_params import SamplingParams
-from engine.weights import load_model
+from engine.checkpoint.loader import load_model
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
 
 

@@ -90,7 +90,7 @@ class MTPBlock(Block):
 
 
 class Transformer(nn.Module):
-    """The DeepSeek-V4 trunk + LM head (+ MTP blocks). Built empty; ``engine.weights`` fills it.
+    """The DeepSeek-V4 trunk + LM head (+ MTP blocks). Built empty; ``engine.checkpoint.loader`` fills it.
 
     Args:
         args: checkpoint config. dtype: compute dtype (fp32 or bf16); norms, mHC (residual

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.hif8 import hif8_decode, hif8_round
-from engine.qformats import dequant_int, dequant_mx, mx_fake_quant
+from engine.checkpoint.hif8 import hif8_decode, hif8_round
+from engine.checkpoint.int8_int4 import dequant_int
+from engine.checkpoint.mx import dequant_mx, mx_fake_quant
 
 # Query-chunk budget: elements of one score block (T_chunk x h x keys) kept in fp32.
 SCORE_BUDGET = 1 << 23
@@ -179,7 +180,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
 
     Args:
         x: ``[..., K]`` float.
-        weight, scale: as stored (``engine.qformats``): ``int8`` int8 ``[N, K]`` + fp32 ``[N, 1]``;
+        weight, scale: as stored (``engine.checkpoint.layout``): ``int8`` int8 ``[N, K]`` + fp32 ``[N, 1]``;
             ``mxfp8`` float8_e4m3fn ``[N, K]`` + uint8 e8m0 ``[N, K/32]``; ``hif8`` uint8 ``[N, K]`` + fp32 ``[N, 1]``.
         fmt: "int8", "mxfp8" or "hif8". act: the activation scheme (``act_quant``) or None.
     Returns:
@@ -207,7 +208,7 @@ def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
     * ``int8-token``: per token, ``s = absmax / 127``, ``round(x / s)`` clamped to +-127
       (``npu_dynamic_quant``, smooth scales 1);
     * ``mxfp8``: groups of 32 along the last dim, e8m0 scale, e4m3 elements (``npu_dynamic_mx_quant``;
-      the shared-exponent rule of ``engine.qformats.quant_mx`` is assumed for it too);
+      the shared-exponent rule of ``engine.checkpoint.mx.quant_mx`` is assumed for it too);
     * ``hif8``: a cast to HiF8 with scale 1, as upstream's W8A8 HiF8 linear does.
 
     Args:

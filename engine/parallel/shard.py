@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint.loader import narrow_cuts
 from engine.config import ConfigError
 from engine.model.moe import MLP, MoE
 from engine.model.transformer import Transformer
@@ -50,7 +51,6 @@ from engine.parallel.comm import (all_gather_cols, all_reduce_max, all_reduce_su
                                   exchange_counts, gather_rows, scatter_sum)
 from engine.parallel.context import GroupInfo, ParallelContext, trivial_context
 from engine.run_config import ParallelConfig
-from engine.weights import narrow_cuts
 
 _KEY = "parallel_config"
 
@@ -58,7 +58,7 @@ _KEY = "parallel_config"
 def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> ParallelContext:
     """Shard a model in place for ``rank`` of ``pc.world_size`` and install the collective
     forwards: a loaded one, or an unloaded one (meta parameters) as
-    ``engine.weights.load_model``'s ``shard`` (each sharded parameter's ``shard_cuts`` tell the
+    ``engine.checkpoint.loader.load_model``'s ``shard`` (each sharded parameter's ``shard_cuts`` tell the
     loader which slice to read). torch.distributed must be initialised (any backend) with
     world_size == pc.world_size; the process groups come from ``dist.new_group`` (every rank
     calls this with the same config, so the groups are made in the same order). World size 1:
@@ -166,7 +166,7 @@ def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
 
 
 def _shard(p: torch.Tensor, *cuts: tuple[int, int, int]) -> nn.Parameter:
-    """``p`` narrowed to each (dim, first, length), tagged ``shard_cuts`` (``engine.weights``
+    """``p`` narrowed to each (dim, first, length), tagged ``shard_cuts`` (``engine.checkpoint.loader``
     fills a model sharded before loading from those slices of the stored tensors)."""
     out = nn.Parameter(narrow_cuts(p, cuts).contiguous().clone(), requires_grad=False)
     out.shard_cuts = cuts

@@ -22,7 +22,7 @@ log = logging.getLogger("launch-pd")
 def run_worker(args) -> int:
     from engine.build import build_engine
     from engine.config import ConfigError
-    from engine.weights import CheckpointError
+    from engine.checkpoint.shards import CheckpointError
     from server.workers.base import WorkerOptions
     cfg = load_config(args)
     prefill = args.role == "prefill"

@@ -34,6 +34,6 @@ would let a client forge turns (a fake ``<｜Assistant｜>``, an early ``</think
 * the served name: only ``deepseek_v4`` is accepted (404 in the API's error shape otherwise), and a
   chat request without a ``model`` is served.
 
-The tokenizer is the real DeepSeek-V4 one (``engine.tiny.copy_tokenizer``, the file every tiny
+The tokenizer is the real DeepSeek-V4 one (``engine.checkpoint.make_tiny.copy_tokenizer``, the file every tiny
 checkpoint ships); no model weights are needed.
 """

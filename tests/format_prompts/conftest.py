@@ -5,7 +5,7 @@ import deepseek_recipe as dr
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tiny import copy_tokenizer
+from engine.checkpoint.make_tiny import copy_tokenizer
 from engine.tokenizer import Tokenizer
 from server.gateway.app import create_app
 from serve_util import ScriptedBackend

@@ -2,7 +2,7 @@
 
 A scheme is one of ``QUANT_TYPES`` (upstream ``convert_model.py --quant_type``). For a linear of
 the original checkpoint (its name and original kind ``fp8`` / ``fp4`` / ``bf16``),
-``linear_format`` gives its converted storage format (``engine.qformats``) and ``ACT_SCHEME``
+``linear_format`` gives its converted storage format (``engine.checkpoint.layout``) and ``ACT_SCHEME``
 the activation quantisation the kernels apply in front of it.
 
 The config builders write what upstream's ``convert_config.py`` (original weights) and

@@ -8,15 +8,29 @@ Storage kinds (§2.1):
   ``bf16`` / ``f32`` / ``i64``  plain tensors
   ``fp8``   ``X.weight`` float8_e4m3fn ``[out, in]`` + ``X.scale`` e8m0 ``[ceil(out/bo), ceil(in/bi)]``
   ``fp4``   ``X.weight`` int8 ``[out, in/2]`` + ``X.scale`` e8m0 ``[out, in/32]``
-Converted checkpoints (§7, ``dsv4-convert-model``) store some linears as ``int8``, ``int4``,
-``mxfp8``, ``mxfp4`` or ``hif8`` (layouts in ``engine.qformats``); ``engine.qscheme`` says which.
+Converted checkpoints (§7, ``dsv4-convert-model``) store some linears in another format;
+``engine.checkpoint.qscheme`` says which. Each stored linear ``X`` keeps its name:
+
+==========  =========================  ===========================  ==============================
+format      X.weight                   X.scale                      rule (codec module)
+==========  =========================  ===========================  ==============================
+int8        int8 ``[N, K]``            fp32 ``[N, 1]``              ``s = absmax_row / 127``
+                                                                    (``int8_int4``)
+int4        int8 ``[N/2, K]`` (2 rows  uint64 ``[N, 1]`` (fp32 bits ``s`` from a clip search
+            per byte: row 2j low)      in the low 32 bits)          0.70..1.30; ``X.bias [N]``
+                                                                    (``int8_int4``)
+mxfp8       float8_e4m3fn ``[N, K]``   uint8 e8m0 ``[N, K/32]``     shared exp - 8, e4m3 (``mx``)
+mxfp4       uint8 ``[N, K/2]`` (2      uint8 e8m0 ``[N, K/32]``     shared exp - 2, e2m1 (``mx``)
+            cols per byte: even low)
+hif8        uint8 HiF8 ``[N, K]``      fp32 ``[N, 1]``              per-row HiFloat8 (``hif8``)
+==========  =========================  ===========================  ==============================
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.checkpoint.qscheme import linear_format
 from engine.config import CSA_RATIO, ModelArgs
-from engine.qscheme import linear_format
 
 # safetensors dtype strings
 BF16, F32, I64, F8, E8M0, I8, U8, U64 = "BF16", "F32", "I64", "F8_E4M3", "F8_E8M0", "I8", "U8", "U64"

@@ -3,7 +3,7 @@
     dsv4-offline --config configs/tiny-flash.yaml --out out.jsonl
     dsv4-offline --model models/tiny-flash --dataset data/infinitebench_sample.jsonl --out out.jsonl
 
-Each sample's prompt (``engine.dataset.build_prompt``) is tokenised, middle-truncated to
+Each sample's prompt (``engine.tools.dataset.build_prompt``) is tokenised, middle-truncated to
 ``data_config.input_truncated_len`` tokens (as InfiniteBench does), rendered as one user turn in
 chat (non-thinking) mode by DeepSeek's own format library (``deepseek_recipe``) and queued; all samples run through continuous batching.
 One output line per sample, in dataset order: id, prompt / output token counts, output ids, text,
@@ -25,12 +25,12 @@ from tqdm import tqdm
 import deepseek_recipe as dr
 
 from engine.build import build_engine
+from engine.checkpoint.shards import CheckpointError
 from engine.config import ConfigError
-from engine.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.tokenizer import Tokenizer, TokenizerError
-from engine.weights import CheckpointError
+from engine.tools.dataset import DatasetError, build_prompt, load_dataset, truncate_middle
 
 
 TEMPLATE_TOKENS = 8          # chat-template ids around a prompt (BOS, role markers, </think>), with margin

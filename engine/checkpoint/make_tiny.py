@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import BF16, E8M0, F8, F32, I8, I64, checkpoint_layout, model_linears
+from engine.checkpoint.fp8_mxfp4 import quant_fp8_block, quant_mxfp4
+from engine.checkpoint.layout import BF16, E8M0, F8, F32, I8, I64, checkpoint_layout, model_linears
 from engine.config import ModelArgs
-from engine.quant import quant_fp8_block, quant_mxfp4
 
 _YARN = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
 _COMMON = dict(

@@ -2,7 +2,7 @@
 
 Shard by shard, as upstream ``utils/convert_model.py``: each tensor of an input shard goes to the
 output shard of the same name; a linear is dequantised (FP8 block / MXFP4 -> bf16, exact) and
-re-encoded in the format ``engine.qscheme.linear_format`` names; everything else is copied.
+re-encoded in the format ``engine.checkpoint.qscheme.linear_format`` names; everything else is copied.
 
 Safety:
 * every input problem (unknown type, bad config, missing shard, wrong dtype or shape, missing
@@ -31,14 +31,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.checkpoint import LinearSpec, checkpoint_layout, model_linears
+from engine.checkpoint.fp8_mxfp4 import QuantFormatError
+from engine.checkpoint.hif8 import hif8_quant_per_channel
+from engine.checkpoint.int8_int4 import int4_bias, pack_int4_rows, quant_int4, quant_int8, scale_to_u64
+from engine.checkpoint.layout import LinearSpec, checkpoint_layout, model_linears
+from engine.checkpoint.loader import dequant_linear, stored_args
+from engine.checkpoint.mx import quant_mx
+from engine.checkpoint.qscheme import QUANT_TYPES, compressed_tensors_config, linear_format
+from engine.checkpoint.shards import (DTYPE_BYTES, INDEX_FILE, CheckpointError, ShardReader, StoredTensor,
+                                      read_shard_header, scan_checkpoint, validate_layout)
 from engine.config import ConfigError, ModelArgs, read_json_object
-from engine.hif8 import hif8_quant_per_channel
-from engine.qformats import int4_bias, pack_int4_rows, quant_int4, quant_int8, quant_mx, scale_to_u64
-from engine.qscheme import QUANT_TYPES, compressed_tensors_config, linear_format
-from engine.quant import QuantFormatError
-from engine.weights import (DTYPE_BYTES, INDEX_FILE, CheckpointError, ShardReader, StoredTensor, dequant_linear,
-                            read_shard_header, scan_checkpoint, stored_args, validate_layout)
 
 STATE_FILE = "convert_state.json"
 _NOT_COPIED = {"config.json", INDEX_FILE, "config.json.bak"}

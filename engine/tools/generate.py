@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.loader import load_model
+from engine.checkpoint.shards import CheckpointError
 from engine.config import ConfigError, ModelArgs
 from engine.model.transformer import Transformer
 from engine.tokenizer import Tokenizer, TokenizerError
-from engine.weights import CheckpointError, load_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -15,8 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from engine.checkpoint.qscheme import compressed_tensors_config
 from engine.config import ConfigError, ModelArgs, read_json_object
-from engine.qscheme import compressed_tensors_config
 
 BACKUP = "config.json.bak"
 
