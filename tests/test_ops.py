@@ -54,7 +54,7 @@ def test_sparse_attn_topk_ignores_minus_one_and_is_chunking_invariant(monkeypatc
     keys = [[j for j in range(t, t + W)] + [win_kv.shape[0] + int(i) for i in topk[t] if i >= 0] for t in range(T)]
     ref = naive_attention(q, pos, keys, torch.cat([win_kv, cmp]), sinks, 0.5)
     assert torch.allclose(out, ref, atol=1e-5)
-    monkeypatch.setattr(R, "SCORE_BUDGET", 64)                        # forces 1-3 queries per chunk
+    monkeypatch.setattr(R.attention, "SCORE_BUDGET", 64)              # forces 1-3 queries per chunk
     assert torch.allclose(R.sparse_attn(q, pos, win_kv, 100 - (W - 1), W, cmp, 4, topk, sinks, 0.5), out, atol=1e-6)
 
 
@@ -82,7 +82,7 @@ def test_indexer_causal_candidates_and_chunking(monkeypatch):
         assert len(sel) == min(5, n) and all(i < n for i in sel) and sel == sorted(sel)
         full = (torch.relu(q[t] @ keys[:n].T) * dI ** -0.5 * w[t][:, None]).sum(0)
         assert set(sel) == set(full.topk(min(5, n)).indices.tolist())
-    monkeypatch.setattr(R, "SCORE_BUDGET", 16)
+    monkeypatch.setattr(R.attention, "SCORE_BUDGET", 16)
     assert torch.equal(R.indexer_topk(q, w, keys, pos, 4, 5, dI ** -0.5), idx)
 
 
@@ -208,7 +208,7 @@ def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
                            for i in range(40)])
         for T in (2, 5, 16, 17, 40):                       # blocks up to MOE_BATCHED_TOKENS, looped above
             assert torch.equal(R.moe_experts(xs[:T], ids[:T], wts[:T], w1, w3, w2, 10.0, act), alone[:T]), (T, act)
-        monkeypatch.setattr(R, "MOE_BATCHED_TOKENS", 0)    # the loop: same bits
+        monkeypatch.setattr(R.moe, "MOE_BATCHED_TOKENS", 0)    # the loop: same bits
         assert torch.equal(R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act), alone[:16])
         monkeypatch.undo()
     assert torch.allclose(R.moe_experts(xs, ids, wts, w1, w3, w2, 10.0), naive, atol=1e-5)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import CSA_RATIO, ModelArgs
-from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
+from engine.model.layers import Linear, RMSNorm, RotaryTable, param
 from engine.ops import Ops
 from engine.ops.reference import num_new_entries
 from engine.model.state import CompressorState, LayerState
@@ -30,7 +30,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(args.hidden_size, width, torch.float32, ops)
         self.wgate = Linear(args.hidden_size, width, torch.float32, ops)
         self.wkv.packable = self.wgate.packable = False            # ops.compressor takes their weights
-        self.ape = _param((ratio, width), torch.float32)
+        self.ape = param((ratio, width), torch.float32)
         self.norm = RMSNorm(dim, args.rms_norm_eps, ops)
 
     def forward(self, x: torch.Tensor, start_pos: int, state: CompressorState, out_dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.wo_a = Linear(nh * d // args.o_groups, args.o_groups * args.o_lora_rank, dtype, ops)
         self.wo_a.packable = False                                  # ops.grouped_linear takes its weight
         self.wo_b = Linear(args.o_groups * args.o_lora_rank, H, dtype, ops)
-        self.attn_sink = _param((nh,), torch.float32)
+        self.attn_sink = param((nh,), torch.float32)
         self.compressor = Compressor(args, ratio, d, rope, ops) if ratio else None
         self.indexer = Indexer(args, rope, dtype, ops) if ratio == CSA_RATIO else None
 

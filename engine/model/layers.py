@@ -13,7 +13,9 @@ from engine.ops import Ops
 _DEFERRED = threading.local()
 
 
-def _param(shape, dtype) -> nn.Parameter:
+def param(shape, dtype) -> nn.Parameter:
+    """A zero, frozen parameter of ``shape`` / ``dtype``, on the meta device inside ``deferred_params``
+    (the loader fills it; shard-aware loading reads only the kept slice)."""
     device = "meta" if getattr(_DEFERRED, "on", False) else None
     return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -56,7 +58,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Ops):
         super().__init__()
-        self.weight = _param((out_features, in_features), dtype)
+        self.weight = param((out_features, in_features), dtype)
         self.ops = ops
 
     def quant_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
-        self.weight = _param((dim,), torch.float32)
+        self.weight = param((dim,), torch.float32)
         self.eps = eps
         self.ops = ops
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelArgs
-from engine.model.layers import Linear, _param
+from engine.model.layers import Linear, param
 from engine.ops import Ops
 
 
@@ -21,12 +21,12 @@ class Gate(nn.Module):
     def __init__(self, args: ModelArgs, hash_layer: bool, ops: Ops):
         super().__init__()
         self.k, self.scale, self.ops = args.num_experts_per_tok, args.routed_scaling_factor, ops
-        self.weight = _param((args.n_routed_experts, args.hidden_size), torch.float32)
+        self.weight = param((args.n_routed_experts, args.hidden_size), torch.float32)
         if hash_layer:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.k, dtype=torch.long))
             self.bias = None
         else:
-            self.bias = _param((args.n_routed_experts,), torch.float32)
+            self.bias = param((args.n_routed_experts,), torch.float32)
             self.tid2eid = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +47,9 @@ class Experts(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
         E, H, I = args.n_routed_experts, args.hidden_size, args.moe_intermediate_size
-        self.w1 = _param((E, I, H), dtype)
-        self.w3 = _param((E, I, H), dtype)
-        self.w2 = _param((E, H, I), dtype)
+        self.w1 = param((E, I, H), dtype)
+        self.w3 = param((E, I, H), dtype)
+        self.w2 = param((E, H, I), dtype)
 
 
 class MLP(nn.Module):

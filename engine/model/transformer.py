@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.config import ModelArgs
 from engine.model.attention import Attention
-from engine.model.layers import Linear, RMSNorm, RotaryTable, _param
+from engine.model.layers import Linear, RMSNorm, RotaryTable, param
 from engine.model.moe import MoE
 from engine.ops import REFERENCE, Ops
 from engine.model.state import LayerState, SequenceState
@@ -34,9 +34,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(H, args.rms_norm_eps, ops)
         self.ffn = MoE(args, hash_layer, dtype, ops)
         for site in ("attn", "ffn"):
-            setattr(self, f"hc_{site}_fn", _param((mix, n * H), torch.float32))
-            setattr(self, f"hc_{site}_base", _param((mix,), torch.float32))
-            setattr(self, f"hc_{site}_scale", _param((3,), torch.float32))
+            setattr(self, f"hc_{site}_fn", param((mix, n * H), torch.float32))
+            setattr(self, f"hc_{site}_base", param((mix,), torch.float32))
+            setattr(self, f"hc_{site}_scale", param((3,), torch.float32))
 
     def _hc_pre(self, X: torch.Tensor, site: str):
         a = self.args
@@ -60,9 +60,9 @@ class Block(nn.Module):
 
 def _add_hc_head(module: nn.Module, args: ModelArgs) -> None:
     n = args.hc_mult
-    module.hc_head_fn = _param((n, n * args.hidden_size), torch.float32)
-    module.hc_head_base = _param((n,), torch.float32)
-    module.hc_head_scale = _param((1,), torch.float32)
+    module.hc_head_fn = param((n, n * args.hidden_size), torch.float32)
+    module.hc_head_base = param((n,), torch.float32)
+    module.hc_head_scale = param((1,), torch.float32)
 
 
 class MTPBlock(Block):
@@ -105,7 +105,7 @@ class Transformer(nn.Module):
         self.rope_main = RotaryTable(r, args.rope_theta)
         self.rope_compress = RotaryTable(r, args.compress_rope_theta, args.rope_scaling)
         self.embed = nn.Module()
-        self.embed.weight = _param((args.vocab_size, args.hidden_size), dtype)
+        self.embed.weight = param((args.vocab_size, args.hidden_size), dtype)
         self.layers = nn.ModuleList(
             Block(args, args.compress_ratios[i], args.is_hash_layer(i), self._rope(args.compress_ratios[i]), dtype, ops)
             for i in range(args.num_hidden_layers))

@@ -1,0 +1,119 @@
+"""MoE ops: gating top-k (score and hash routing), the clamped SwiGLU, the routed experts (§3.7).
+
+Part of the reference ops (``engine.ops.reference``): plain math, the numerics contract.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm
+from engine.ops.reference.dense import act_quant
+
+
+# ---- MoE (§3.7) ------------------------------------------------------------------------------
+# Up to this many tokens (decode batches) the routed experts' row blocks share one buffer
+# (``_moe_blocks``: the loop's GEMM calls, fewer small ops); above, a loop over experts.
+MOE_BATCHED_TOKENS = 16
+
+
+def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
+                routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: ``s = sqrt(softplus(logits))``; experts = top-k of ``s + bias`` (bias picks only) or
+    ``tid2eid[token]`` on hash layers; weights ``s[idx] / (sum s[idx] + 1e-20) * routed_scaling``.
+
+    Args:
+        logits: ``[T, E]`` fp32 router logits. bias: ``[E]`` fp32 or None. hash_ids: ``[T, k]`` or None.
+    Returns:
+        ``weights [T, k]`` fp32, ``ids [T, k]`` int64.
+    """
+    # softplus (threshold 20) in fp64, rounded: the fp32 CPU kernels round differently by an
+    # element's place in the tensor, which would make routing weights depend on the batch
+    x = logits.double()
+    s = torch.where(x > 20, x, torch.log1p(torch.exp(x))).float().sqrt()
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        # ascending ids: the weight normaliser's summation order must not depend on topk's layout
+        ids = torch.topk(s + bias.float(), k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    w = s.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling, ids
+
+
+def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (§3.7)."""
+    g = gate.clamp(max=limit)
+    silu = F.silu(g.double()).to(g.dtype) if g.dtype == torch.float32 else F.silu(g)   # fp64: see _sigmoid
+    return silu * up.clamp(min=-limit, max=limit)
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
+    """Routed experts ``sum_e w_e * (swiglu_clamp(x W1_e^T, x W3_e^T) W2_e^T)``, grouped by expert.
+
+    Every expert GEMM runs on blocks of exactly ``GEMM_ROW_MULTIPLE`` rows (batch invariance, see
+    there) and a token's k results are added in ascending expert order: a row's result does not
+    depend on the other tokens, nor on which of the two paths (``MOE_BATCHED_TOKENS``) ran.
+
+    Args:
+        x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+        act: activation quantisation of a converted checkpoint (``act_quant``) applied to x and to
+            the SwiGLU output, as the W8A8 / W4A8 / MXFP4 grouped matmuls do (§7); None: none.
+    Returns:
+        ``[T, H]`` in x.dtype (accumulated in fp32).
+    """
+    if act is not None:
+        x = act_quant(x, act)
+    T, k = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // k
+    wt = weights.reshape(-1)[order]
+    if 0 < T <= MOE_BATCHED_TOKENS:
+        return _moe_blocks(x, flat[order], tok, wt, w1, w3, w2, limit, act, out)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        t_e = tok[start:start + c]
+        xe = x[t_e]
+        h = swiglu_clamp(gemm(xe, w1[e].to(x.dtype)), gemm(xe, w3[e].to(x.dtype)), limit)
+        if act is not None:
+            h = act_quant(h, act)
+        y = gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
+        out.index_add_(0, t_e, y)                                        # experts in ascending order
+        start += c
+    return out.to(x.dtype)
+
+
+def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
+    """``moe_experts``' loop with every expert's rows in one zero-padded ``[rows, H]`` buffer of
+    ``GEMM_ROW_MULTIPLE``-row blocks: the loop's GEMM calls (``gemm``'s), its other ops once.
+    ``eid`` / ``tok`` / ``wt``: the ``[T*k]`` slots sorted by expert (stable), their token and weight."""
+    R = GEMM_ROW_MULTIPLE
+    used, counts = torch.unique_consecutive(eid, return_counts=True)
+    blocks = (counts + R - 1) // R
+    first = torch.cumsum(blocks, 0) - blocks                             # each expert's first block
+    group = torch.repeat_interleave(torch.arange(used.shape[0], device=x.device), counts)
+    rank = torch.arange(eid.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[group]
+    row = first[group] * R + rank                                        # slot -> buffer row
+    n = int(blocks.sum())
+    xg = x.new_zeros(n * R, x.shape[1])
+    xg[row] = x[tok]
+    spans = [(e, b, b + nb) for e, b, nb in zip(used.tolist(), first.tolist(), blocks.tolist())]
+    gate, up, y = x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, x.shape[1])
+    for w, src, dst in ((w1, xg, gate), (w3, xg, up), (w2, None, y)):
+        if src is None:
+            src = swiglu_clamp(gate, up, limit)
+            src = src if act is None else act_quant(src, act)
+        src = src.view(n, R, -1)
+        for e, b0, b1 in spans:
+            wt_e = w[e].to(x.dtype).t()
+            for b in range(b0, b1):
+                torch.mm(src[b], wt_e, out=dst[b])
+    # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order
+    out.index_add_(0, tok, y.view(n * R, -1)[row].float() * wt[:, None].float())
+    return out.to(x.dtype)
