@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.transport import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TransportError, check_message,
+from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TransportError, check_message,
                                   pack_control)
 from kvtransfer.zmq_transport import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.transport import StateSender, TransportError
+from kvtransfer.interfaces import StateSender, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import wire
 from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_client, secure_server, stop_authenticator
-from kvtransfer.transport import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Limits, StateReceiver,
+from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Limits, StateReceiver,
                                   StateSender, TransportError, check_message, default_ipc_path, frame_nbytes,
                                   handshake_mismatch, limits_from, normalize_layout, pack_control, split_dest, dest_receiver_id,
                                   tcp_endpoint, transfer_id_of, unpack_control)

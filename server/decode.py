@@ -17,8 +17,8 @@ from engine.cache import CacheFullError
 from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.sequence import RequestOutput
+from kvtransfer import make_receiver
 from kvtransfer.assembler import TransferTable
-from kvtransfer.transport import make_receiver
 from kvtransfer.wire import TransferError, decode_header, decode_state
 from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 from server.worker import Worker, WorkerOptions

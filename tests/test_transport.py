@@ -16,8 +16,8 @@ import torch
 import zmq
 
 from kvtransfer.dist_transport import transfer_plan
-from kvtransfer.transport import (REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch, make_receiver,
-                                  make_sender)
+from kvtransfer import make_receiver, make_sender
+from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
 
 KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
@@ -438,7 +438,7 @@ def test_transfer_plan_packs_small_frames_first():
 _CHILD = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[4])
-from kvtransfer.transport import make_sender
+from kvtransfer import make_sender
 from tests.test_transport import FP, LAYOUT, _msg
 kind, dest, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tx = make_sender(kind, FP, LAYOUT, "child-prefill")

@@ -1,4 +1,6 @@
-"""Transports for a request's decode state (prefill -> decode), behind one interface.
+"""The transfer protocol between a prefill and a decode worker: the StateSender / StateReceiver
+interfaces every transport implements, the control messages both sides exchange, and the checks
+and address helpers they share. Pick a transport with ``kvtransfer.make_sender`` / ``make_receiver``.
 
 A *message* is a list of frames exactly as ``kvtransfer.wire`` builds them: frame 0 is a msgpack
 header that ``wire.decode_header`` parses, frames 1..n are the raw bytes of the tensors the header
@@ -38,12 +40,12 @@ so control and state messages never depend on what the wire header contains.
 
 No pickle anywhere: control messages are msgpack of plain types; every size is bounded (``Limits``).
 
-Security: ``make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the cluster's
+Security: ``kvtransfer.make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the cluster's
 shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
 (``kvtransfer.secure``): encrypted, and a peer without S cannot deliver a single frame; a sender
 whose secret differs gets TransportError from ``connect``. Both sides must agree (secret on one
 side only fails the handshake). ``secret=None`` (the default): plain ZMQ, for loopback / trusted
-networks. The dist kind's torch.distributed data plane is not covered (see dist_transport).
+networks. The dist kind's torch.distributed data plane is not covered (see kvtransfer.dist_transport).
 """
 from __future__ import annotations
 
@@ -59,7 +61,6 @@ import msgpack
 from kvtransfer import wire
 
 PROTOCOL_VERSION = 1
-KINDS = ("zmq-tcp", "zmq-ipc", "dist")
 REJECT_OP = "transport.reject"
 
 # First frame of every ZMQ message on the pair: what the rest is.
@@ -340,47 +341,3 @@ class StateReceiver(ABC):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, fingerprint: str = "",
-                  layout: dict | None = None, secret=None, **kw) -> StateReceiver:
-    """Bind a receiver of ``kind`` ("zmq-tcp" | "zmq-ipc" | "dist") on ``host``:``port`` (0: a free
-    port). ``secret``: the cluster shared secret (str / bytes of >= 16 characters, or
-    ``secure.ClusterKeys``) -> CURVE server accepting only senders with the same secret; None:
-    plain ZMQ. Keyword arguments: ``receiver_id``, ``ipc_path`` (zmq-ipc, or dist over ipc),
-    ``advertise_host``, ``linger_ms``, the ``Limits`` fields, and for dist ``store_port``,
-    ``device``, ``op_timeout_s``, ``rendezvous_timeout_s``, ``coalesce_bytes``, ``deliver``.
-
-    Raises:
-        ValueError: unknown kind, or an empty / too short secret. zmq.ZMQError / OSError: the
-            address (or store port) cannot be bound.
-    """
-    layout = {} if layout is None else layout
-    if kind in ("zmq-tcp", "zmq-ipc"):
-        from kvtransfer.zmq_transport import ZmqStateReceiver
-        return ZmqStateReceiver(kind, host, port, fingerprint, layout, secret=secret, **kw)
-    if kind == "dist":
-        from kvtransfer.dist_transport import DistStateReceiver
-        return DistStateReceiver(host, port, fingerprint, layout, secret=secret, **kw)
-    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
-
-
-def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_id: str = "", secret=None,
-                **kw) -> StateSender:
-    """A sender of ``kind``. "zmq-tcp" and "zmq-ipc" are the same sender (the dest address says
-    which). ``secret``: the cluster shared secret (as for ``make_receiver``; must equal the
-    receiver's) -> CURVE client; None: plain ZMQ. Keyword arguments: ``send_timeout_s``,
-    ``linger_ms``, ``max_control_bytes``, and for dist ``device``, ``op_timeout_s``, ``local_host``.
-
-    Raises:
-        ValueError: unknown kind, or an empty / too short secret.
-    """
-    layout = {} if layout is None else layout
-    sender_id = sender_id or f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if kind in ("zmq-tcp", "zmq-ipc"):
-        from kvtransfer.zmq_transport import ZmqStateSender
-        return ZmqStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
-    if kind == "dist":
-        from kvtransfer.dist_transport import DistStateSender
-        return DistStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
-    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
