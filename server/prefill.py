@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.sequence import FinishReason, RequestOutput
 from kvtransfer import make_sender
-from kvtransfer.pusher import Pusher
+from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
 from server.messages import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 from server.worker import Worker, WorkerOptions
