@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import wire
-from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TransportError, check_message,
+from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, Delivered, TransportError, check_message,
                                   pack_control)
 from kvtransfer.zmq_transport import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
 
@@ -340,7 +340,7 @@ class DistStateReceiver(ZmqStateReceiver):
                     break
                 hbuf, h, nbytes = item
                 frames = self._recv_tensors(pg, pair, h)
-                self._deliver(pair.peer.peer_id, [hbuf, *frames], nbytes, reserved=True)
+                self._deliver(Delivered(pair.peer.peer_id, h, [hbuf, *frames], nbytes), reserved=True)
         except Exception as e:
             if not pair.stop.is_set():
                 self._count("pair_failures")

@@ -35,6 +35,12 @@ what is already under way. A hello whose sender_id is already connected supersed
 is full the receiver probes its peers with ``{"op": "ping", "v": 1}`` (senders ignore it) and
 forgets those whose connection is gone.
 
+Replies of the transfer itself (``StateReceiver.reply`` -> ``StateSender.poll_replies``), one per
+transfer id, after its commit (or whole-state message) or when decode refuses it:
+
+    decode -> prefill   {"op": "ack", "transfer_id", "bytes"}        ``ack``: state joined the batch
+                        {"op": "nack", "transfer_id", "cause", "reason"}   ``nack``: refused / failed
+
 Every ZMQ message also carries a leading one-byte tag frame (C control, M state message, R reply),
 so control and state messages never depend on what the wire header contains.
 
@@ -165,6 +171,17 @@ def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | No
     return "; ".join(reasons) or None
 
 
+def ack(transfer_id: str, nbytes: int) -> dict:
+    """Decode's reply: the transfer's state (``nbytes`` bytes, all frames) is loaded and committed."""
+    return {"op": "ack", "transfer_id": transfer_id, "bytes": nbytes}
+
+
+def nack(transfer_id: str, cause: str, reason: str) -> dict:
+    """Decode's reply: the transfer failed or was refused. ``cause``: checksum | malformed | timeout |
+    fenced | unknown (the ``kv_transfer_failures`` causes); ``reason``: for people."""
+    return {"op": "nack", "transfer_id": transfer_id, "cause": cause, "reason": reason}
+
+
 # --------------------------------------------------------------------------------------------- #
 # message checks shared by senders (before sending) and receivers (before delivering)
 
@@ -258,6 +275,21 @@ def default_ipc_path(port: int) -> str:
 # --------------------------------------------------------------------------------------------- #
 # the interface
 
+@dataclass(frozen=True)
+class Delivered:
+    """One complete state message as a receiver delivers it.
+
+    ``frames``: [header, tensor frames...], tensor frames as buffers (memoryview / bytes) of exactly
+    the listed nbytes, crc32 NOT checked. ``header``: ``wire.decode_header(frames[0])``, parsed once
+    by the transport's own check (``check_message``), so the decode side never parses it again.
+    ``nbytes``: all frames, header included.
+    """
+    peer_id: str
+    header: dict
+    frames: list
+    nbytes: int
+
+
 class StateSender(ABC):
     """Prefill side: pushes state messages to decode receivers. Used from ONE thread only."""
 
@@ -312,10 +344,13 @@ class StateReceiver(ABC):
         self._notify = fn
 
     @abstractmethod
+    def recv_messages(self, timeout_s: float = 0.0) -> list[Delivered]:
+        """Complete messages in arrival order (per sender, order preserved), waiting up to
+        ``timeout_s`` s for the first."""
+
     def recv(self, timeout_s: float = 0.0) -> list[tuple[str, list]]:
-        """(peer_id, frames) complete messages in arrival order (per sender, order preserved),
-        waiting up to ``timeout_s`` s for the first. frames[0] is the header; tensor frames are
-        buffers (memoryview / bytes) of exactly the listed nbytes, crc32 NOT checked."""
+        """``recv_messages`` as (peer_id, frames) pairs, for callers that need only the bytes."""
+        return [(d.peer_id, d.frames) for d in self.recv_messages(timeout_s)]
 
     @abstractmethod
     def reply(self, peer_id: str, msg: dict) -> None:

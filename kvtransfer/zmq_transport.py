@@ -37,7 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvtransfer import wire
 from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_client, secure_server, stop_authenticator
-from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Limits, StateReceiver,
+from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Delivered, Limits, StateReceiver,
                                   StateSender, TransportError, check_message, default_ipc_path, frame_nbytes,
                                   handshake_mismatch, limits_from, normalize_layout, pack_control, split_dest, dest_receiver_id,
                                   tcp_endpoint, transfer_id_of, unpack_control)
@@ -399,18 +399,18 @@ class ZmqStateReceiver(StateReceiver):
         return zaddr
 
     # -- public API ------------------------------------------------------------------------
-    def recv(self, timeout_s: float = 0.0) -> list[tuple[str, list]]:
+    def recv_messages(self, timeout_s: float = 0.0) -> list[Delivered]:
         with self._cond:
             if not self._delivered and timeout_s > 0:
                 self._cond.wait_for(lambda: self._delivered or self._stop.is_set(), timeout_s)
             items = list(self._delivered)
             self._delivered.clear()
             was_full = self._pending >= self.limits.max_pending_bytes
-            self._pending -= sum(n for _, _, n in items)
+            self._pending -= sum(d.nbytes for d in items)
             now_full = self._pending >= self.limits.max_pending_bytes
         if was_full and not now_full:
             self._wake()   # the socket thread resumes reading
-        return [(pid, frames) for pid, frames, _ in items]
+        return items
 
     def reply(self, peer_id: str, msg: dict) -> None:
         payload = pack_control(msg, self.limits.max_control_bytes)
@@ -464,8 +464,8 @@ class ZmqStateReceiver(StateReceiver):
 
     def _accept(self, peer: _Peer, body: list) -> None:
         """A state message from a handshaked peer: check and deliver. Raises wire.TransferError to drop."""
-        check_message(body, self.limits)
-        self._deliver(peer.peer_id, body, sum(frame_nbytes(f) for f in body), reserved=False)
+        h = check_message(body, self.limits)
+        self._deliver(Delivered(peer.peer_id, h, body, sum(frame_nbytes(f) for f in body)), reserved=False)
 
     def _on_dropped(self, peer: _Peer) -> None:
         """Hook: a handshaked peer's message was dropped."""
@@ -490,15 +490,15 @@ class ZmqStateReceiver(StateReceiver):
         with self._lock:
             self._stats[key] += n
 
-    def _deliver(self, peer_id: str, frames: list, nbytes: int, reserved: bool) -> None:
+    def _deliver(self, d: Delivered, reserved: bool) -> None:
         with self._cond:
-            self._delivered.append((peer_id, frames, nbytes))
+            self._delivered.append(d)
             if not reserved:
-                self._pending += nbytes
+                self._pending += d.nbytes
             self._cond.notify_all()
         with self._lock:
             self._stats["messages"] += 1
-            self._stats["bytes"] += nbytes
+            self._stats["bytes"] += d.nbytes
         notify = self._notify
         if notify is not None:
             notify()
