@@ -51,7 +51,7 @@ shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE
 (``kvtransfer.secure``): encrypted, and a peer without S cannot deliver a single frame; a sender
 whose secret differs gets TransportError from ``connect``. Both sides must agree (secret on one
 side only fails the handshake). ``secret=None`` (the default): plain ZMQ, for loopback / trusted
-networks. The dist kind's torch.distributed data plane is not covered (see kvtransfer.dist_transport).
+networks. The dist kind's torch.distributed data plane is not covered (see kvtransfer.transports.dist).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.dist_transport import transfer_plan
+from kvtransfer.transports.dist import transfer_plan
 from kvtransfer import make_receiver, make_sender
 from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint

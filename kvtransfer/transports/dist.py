@@ -46,7 +46,7 @@ import torch.distributed as dist
 from kvtransfer import wire
 from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, Delivered, TransportError, check_message,
                                   pack_control)
-from kvtransfer.zmq_transport import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
+from kvtransfer.transports.zmq_receiver import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
 
 
 def backend_for(device: str | torch.device) -> str:
