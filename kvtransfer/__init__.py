@@ -34,8 +34,8 @@ def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, fingerprint
         from kvtransfer.transports.zmq_receiver import ZmqStateReceiver
         return ZmqStateReceiver(kind, host, port, fingerprint, layout, secret=secret, **kw)
     if kind == "dist":
-        from kvtransfer.transports.dist import DistStateReceiver
-        return DistStateReceiver(host, port, fingerprint, layout, secret=secret, **kw)
+        from kvtransfer.transports.dist import dist_receiver
+        return dist_receiver(host, port, fingerprint, layout, secret=secret, **kw)
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
 
 
@@ -52,9 +52,9 @@ def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_
     layout = {} if layout is None else layout
     sender_id = sender_id or f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if kind in ("zmq-tcp", "zmq-ipc"):
-        from kvtransfer.transports.zmq_receiver import ZmqStateSender
+        from kvtransfer.transports.zmq_sender import ZmqStateSender
         return ZmqStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
     if kind == "dist":
-        from kvtransfer.transports.dist import DistStateSender
-        return DistStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
+        from kvtransfer.transports.dist import dist_sender
+        return dist_sender(fingerprint, layout, sender_id, secret=secret, **kw)
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")

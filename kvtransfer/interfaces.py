@@ -67,6 +67,7 @@ import msgpack
 from kvtransfer import wire
 
 PROTOCOL_VERSION = 1
+MAX_ID = 256   # characters of a sender_id / receiver_id / nonce
 REJECT_OP = "transport.reject"
 
 # First frame of every ZMQ message on the pair: what the rest is.
@@ -216,6 +217,11 @@ def check_message(frames: list, limits: Limits, with_tensor_frames: bool = True)
     elif len(frames) != 1:
         raise wire.TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
     return h
+
+
+def valid_id(v, n: int = MAX_ID) -> bool:
+    """A sender_id / receiver_id / nonce: a non-empty str of at most ``n`` characters."""
+    return isinstance(v, str) and 0 < len(v) <= n
 
 
 def frame_nbytes(f) -> int:
