@@ -5,7 +5,8 @@ and address helpers they share. Pick a transport with ``kvtransfer.make_sender``
 A *message* is a list of frames exactly as ``kvtransfer.wire`` builds them: frame 0 is a msgpack
 header that ``wire.decode_header`` parses, frames 1..n are the raw bytes of the tensors the header
 lists (``header["tensors"][i]["nbytes"]`` bytes each; n may be 0). Transports never look at the
-message kind and never verify crc32: the decode worker does that with ``wire.decode_state``, so a
+message kind and never verify crc32: they parse the header once to check sizes and hand it over
+with the frames (``Delivered``); the decode side (``kvtransfer.receiver``) fences and verifies, so a
 corrupted frame is delivered and counted there.
 
 Kinds and the addresses a receiver advertises (``StateReceiver.address``, what senders pass as
@@ -38,16 +39,16 @@ forgets those whose connection is gone.
 Replies of the transfer itself (``StateReceiver.reply`` -> ``StateSender.poll_replies``), one per
 transfer id, after its commit (or whole-state message) or when decode refuses it:
 
-    decode -> prefill   {"op": "ack", "transfer_id", "bytes"}        ``ack``: state joined the batch
-                        {"op": "nack", "transfer_id", "cause", "reason"}   ``nack``: refused / failed
+    decode -> prefill   {"op": "ack", "transfer_id", "bytes"}        ``ack_message``: state joined the batch
+                        {"op": "nack", "transfer_id", "cause", "reason"}   ``nack_message``: refused / failed
 
 Every ZMQ message also carries a leading one-byte tag frame (C control, M state message, R reply),
 so control and state messages never depend on what the wire header contains.
 
 No pickle anywhere: control messages are msgpack of plain types; every size is bounded (``Limits``).
 
-Security: ``kvtransfer.make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the cluster's
-shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
+Security: ``kvtransfer.make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the
+cluster's shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
 (``kvtransfer.secure``): encrypted, and a peer without S cannot deliver a single frame; a sender
 whose secret differs gets TransportError from ``connect``. Both sides must agree (secret on one
 side only fails the handshake). ``secret=None`` (the default): plain ZMQ, for loopback / trusted
@@ -64,7 +65,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from kvtransfer import wire
+from kvtransfer.wire import TransferError, decode_header
 
 PROTOCOL_VERSION = 1
 MAX_ID = 256   # characters of a sender_id / receiver_id / nonce
@@ -172,12 +173,12 @@ def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | No
     return "; ".join(reasons) or None
 
 
-def ack(transfer_id: str, nbytes: int) -> dict:
+def ack_message(transfer_id: str, nbytes: int) -> dict:
     """Decode's reply: the transfer's state (``nbytes`` bytes, all frames) is loaded and committed."""
     return {"op": "ack", "transfer_id": transfer_id, "bytes": nbytes}
 
 
-def nack(transfer_id: str, cause: str, reason: str) -> dict:
+def nack_message(transfer_id: str, cause: str, reason: str) -> dict:
     """Decode's reply: the transfer failed or was refused. ``cause``: checksum | malformed | timeout |
     fenced | unknown (the ``kv_transfer_failures`` causes); ``reason``: for people."""
     return {"op": "nack", "transfer_id": transfer_id, "cause": cause, "reason": reason}
@@ -197,25 +198,25 @@ def check_message(frames: list, limits: Limits, with_tensor_frames: bool = True)
             ``limits.max_message_bytes``, frame count or a frame's size not what the header lists.
     """
     if not frames:
-        raise wire.TransferError("message: no frames")
+        raise TransferError("message: no frames")
     if len(frames) - 1 > limits.max_frames:
-        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames exceed {limits.max_frames}")
-    h = wire.decode_header(frames[0])
+        raise TransferError(f"message: {len(frames) - 1} tensor frames exceed {limits.max_frames}")
+    h = decode_header(frames[0])
     metas = h["tensors"]
     if len(metas) > limits.max_frames:
-        raise wire.TransferError(f"message: {len(metas)} tensors exceed {limits.max_frames}")
+        raise TransferError(f"message: {len(metas)} tensors exceed {limits.max_frames}")
     total = len(frames[0]) + sum(m["nbytes"] for m in metas)
     if total > limits.max_message_bytes:
-        raise wire.TransferError(f"message: {total} bytes exceed {limits.max_message_bytes}")
+        raise TransferError(f"message: {total} bytes exceed {limits.max_message_bytes}")
     if with_tensor_frames:
         if len(frames) != 1 + len(metas):
-            raise wire.TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
+            raise TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
         for m, f in zip(metas, frames[1:]):
             n = frame_nbytes(f)
             if n != m["nbytes"]:
-                raise wire.TransferError(f"tensor {m['name']}: frame has {n} bytes, header says {m['nbytes']}")
+                raise TransferError(f"tensor {m['name']}: frame has {n} bytes, header says {m['nbytes']}")
     elif len(frames) != 1:
-        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
+        raise TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
     return h
 
 
@@ -236,7 +237,7 @@ def frame_nbytes(f) -> int:
 def transfer_id_of(frame0) -> str | None:
     """Best-effort transfer id of a message's header (for reject replies); None when unparseable."""
     try:
-        return wire.decode_header(frame0)["transfer_id"]
+        return decode_header(frame0)["transfer_id"]
     except Exception:
         return None
 

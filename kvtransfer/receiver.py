@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer import interfaces
-from kvtransfer.interfaces import Delivered, StateReceiver
+from kvtransfer.interfaces import Delivered, StateReceiver, ack_message, nack_message
 from kvtransfer.wire import TransferError, decode_tensors
 
 
@@ -133,11 +132,11 @@ class TransferReceiver:
 
     def ack(self, peer: str, transfer_id: str, nbytes: int) -> None:
         """Tell ``peer`` its transfer is committed (``nbytes``: all its frames)."""
-        self.transport.reply(peer, interfaces.ack(transfer_id, nbytes))
+        self.transport.reply(peer, ack_message(transfer_id, nbytes))
 
     def nack(self, peer: str, transfer_id: str, cause: str, reason: str) -> None:
-        """Tell ``peer`` its transfer failed (``cause`` as in ``interfaces.nack``)."""
-        self.transport.reply(peer, interfaces.nack(transfer_id, cause, reason))
+        """Tell ``peer`` its transfer failed (``cause`` as in ``interfaces.nack_message``)."""
+        self.transport.reply(peer, nack_message(transfer_id, cause, reason))
 
     def _classify(self, p: Pending, header: dict, tensors: dict[str, torch.Tensor], nbytes: int) -> Action:
         """A verified message of the expected transfer ``p``. Retires on commit / state / cancel / fail."""

@@ -4,7 +4,7 @@ arrives (verified, fenced), then decodes it in the running batch and streams tok
 ``reserve`` takes the state slots and a batch place under a lease (``lease_s``), or queues the
 sample (FIFO, at most ``max_queued``; beyond that 429) until running samples make room; if the state is
 not committed in time the reservation is freed and the transfer id is fenced, so a late write
-never lands. Every message is checked (``wire.decode_state``: fingerprint, sizes, crc32) before
+never lands. Every message is checked (``kvtransfer.receiver``: fingerprint, sizes, crc32) before
 a byte is written; a bad one fails the sample (``error`` to the gateway, ``nack`` to prefill).
 """
 from __future__ import annotations

@@ -44,11 +44,11 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from kvtransfer import wire
 from kvtransfer.interfaces import PROTOCOL_VERSION, REJECT_OP, TAG_MSG, Delivered, TransportError, check_message
 from kvtransfer.transports.plane import Connection, Peer, ReceiverPlane, SenderPlane
 from kvtransfer.transports.zmq_receiver import ZmqStateReceiver
 from kvtransfer.transports.zmq_sender import ZmqStateSender
+from kvtransfer.wire import TransferError
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -321,7 +321,7 @@ class DistReceiverPlane(ReceiverPlane):
         pair: _RxPair = peer.state
         with pair.lock:   # the pair thread sets ``dead`` under this lock before releasing its queue
             if pair.dead:
-                raise wire.TransferError("dist pair failed; handshake again")
+                raise TransferError("dist pair failed; handshake again")
             self.rx.reserve(nbytes)
             pair.q.put((frames[0], h, nbytes))
 
@@ -388,19 +388,13 @@ class DistReceiverPlane(ReceiverPlane):
         works = [pg.recv([b], 0, tag) for tag, b in enumerate(bufs)]
         _wait_all(works)
         frames: list = [b""] * len(sizes)
+        to_host = self.deliver_to == "cpu" or self.device.type == "cpu"
         for op, b in zip(plan, bufs):
-            if self.deliver_to == "cpu" or self.device.type == "cpu":
-                b = b.cpu()
-                mv = memoryview(b.numpy())
-                off = 0
-                for i in op:
-                    frames[i] = mv[off:off + sizes[i]]
-                    off += sizes[i]
-            else:
-                off = 0
-                for i in op:
-                    frames[i] = b[off:off + sizes[i]]
-                    off += sizes[i]
+            buf = memoryview(b.cpu().numpy()) if to_host else b   # both slice without copying
+            off = 0
+            for i in op:
+                frames[i] = buf[off:off + sizes[i]]
+                off += sizes[i]
         if self.deliver_to == "device" and self.device.type != "cpu":
             frames = [f if isinstance(f, torch.Tensor) else torch.empty(0, dtype=torch.uint8, device=self.device)
                       for f in frames]

@@ -5,17 +5,13 @@ frames, replies, limits, security. What carries a state message's tensor bytes i
 ``SenderPlane`` / ``ReceiverPlane`` as here send them as further frames of the same ZMQ message
 (the zmq-tcp / zmq-ipc kinds); the dist kind's planes (``kvtransfer.transports.dist``) move them
 over a torch.distributed pair group instead. A plane sees only ``Connection`` / ``Peer`` and the
-receiver's plane methods (``deliver``, ``reserve``, ``release``, ``count``, ``forget``,
-``send_control``, ``limits``, ``receiver_id``), never the sockets' internals.
+receiver as a ``ReceiverHost``, never the sockets' internals.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtransfer.interfaces import TAG_MSG, Delivered, Limits, check_message, frame_nbytes
-
-if TYPE_CHECKING:
-    from kvtransfer.transports.zmq_receiver import ZmqStateReceiver
 
 
 class Connection:
@@ -38,6 +34,24 @@ class Peer:
 
     def __init__(self, peer_id: str, rid: bytes):
         self.peer_id, self.rid, self.state = peer_id, rid, None
+
+
+class ReceiverHost(Protocol):
+    """What a receiver offers its plane (``ZmqStateReceiver`` documents each; any thread may call)."""
+    limits: Limits
+    receiver_id: str
+
+    def deliver(self, d: Delivered, reserved: bool = False) -> None: ...   # to recv_messages
+
+    def reserve(self, nbytes: int) -> None: ...      # pending bytes of a message still arriving
+
+    def release(self, nbytes: int) -> None: ...      # undo reserve: that message never comes
+
+    def count(self, key: str, n: int = 1) -> None: ...   # a stats counter
+
+    def forget(self, peer: Peer, graceful: bool = False) -> bool: ...   # drop a peer (then peer_gone)
+
+    def send_control(self, peer: Peer, msg: dict) -> None: ...   # a control message to the sender
 
 
 class SenderPlane:
@@ -82,9 +96,9 @@ class ReceiverPlane:
     transport = "zmq"
     address_prefix = ""
     counters: tuple[str, ...] = ()
-    rx: ZmqStateReceiver
+    rx: ReceiverHost
 
-    def attach(self, rx: ZmqStateReceiver) -> None:
+    def attach(self, rx: ReceiverHost) -> None:
         """Called once by the receiver, before its socket thread starts."""
         self.rx = rx
 

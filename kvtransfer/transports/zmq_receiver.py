@@ -14,12 +14,12 @@ import uuid
 
 import zmq
 
-from kvtransfer import wire
 from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Delivered, StateReceiver,
                                    TransportError, default_ipc_path, handshake_mismatch, limits_from, normalize_layout,
                                    pack_control, tcp_endpoint, transfer_id_of, unpack_control, valid_id)
 from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_server, stop_authenticator
 from kvtransfer.transports.plane import Peer, ReceiverPlane
+from kvtransfer.wire import TransferError
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class ZmqStateReceiver(StateReceiver):
         body = [f.buffer for f in zframes]
         try:
             self.plane.accept(peer, body)
-        except wire.TransferError as e:
+        except TransferError as e:
             self._dropped("dropped_malformed", "bad-message", f"from {peer.peer_id}: {e}")
             self._reject(rid, f"dropped: {e}", body[0])
             self.plane.dropped(peer)
