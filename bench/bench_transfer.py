@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from engine.core.pd_state import expected_shapes  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.checkpoint.make_tiny import PRESETS  # noqa: E402
-from kvtransfer.transport import make_receiver, make_sender  # noqa: E402
+from kvtransfer import make_receiver, make_sender  # noqa: E402
 from kvtransfer.wire import decode_state, encode_state, model_fingerprint  # noqa: E402
 
 FP = model_fingerprint({"bench": "transfer"}, torch.bfloat16)

@@ -133,6 +133,17 @@ def decode_state(frames: list[bytes | memoryview], fingerprint: str) -> tuple[di
     if not frames:
         raise TransferError("message: no frames")
     h = decode_header(frames[0])
+    return h, decode_tensors(h, frames, fingerprint)
+
+
+def decode_tensors(h: dict, frames: list[bytes | memoryview], fingerprint: str) -> dict[str, torch.Tensor]:
+    """The tensors of a message whose header ``h`` is already parsed (``decode_header(frames[0])``):
+    name -> tensor (dtype and shape as listed, on CPU, copied out of the frames). Checks the model
+    fingerprint, frame count, sizes and every tensor's crc32 before returning anything.
+
+    Raises:
+        TransferError: any mismatch (the message names the field or tensor).
+    """
     if h["fingerprint"] != fingerprint:
         raise TransferError("header.fingerprint: the sender runs a different model / dtype / layout")
     metas = h["tensors"]
@@ -147,4 +158,4 @@ def decode_state(frames: list[bytes | memoryview], fingerprint: str) -> tuple[di
             raise TransferError(f"tensor {m['name']}: checksum mismatch (corrupted)")
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf.nbytes else torch.empty(0, dtype=torch.uint8)
         out[m["name"]] = raw.view(_DTYPES[m["dtype"]]).reshape(m["shape"])
-    return h, out
+    return out

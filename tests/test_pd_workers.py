@@ -15,7 +15,7 @@ import zmq
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
-from kvtransfer.transport import make_receiver, make_sender
+from kvtransfer import make_receiver, make_sender
 from kvtransfer.wire import decode_header, encode_commit, encode_layer
 from server.backends.base import BackendError, GenRequest
 from server.backends.pd import PDBackend

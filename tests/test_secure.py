@@ -18,9 +18,10 @@ import torch
 import zmq
 import zmq.asyncio
 
+from kvtransfer import make_receiver, make_sender
+from kvtransfer.interfaces import TAG_CTL, TAG_MSG, TransportError
 from kvtransfer.secure import (ClusterKeys, RateLimitedLog, cluster_keys, ensure_authenticator, secure_client,
                                secure_server, stop_authenticator)
-from kvtransfer.transport import TAG_CTL, TAG_MSG, TransportError, make_receiver, make_sender
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
 
 FP = model_fingerprint({"name": "tiny-transport"}, torch.bfloat16, {"block_size": 16})

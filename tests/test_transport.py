@@ -15,9 +15,9 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.dist_transport import transfer_plan
-from kvtransfer.transport import (REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch, make_receiver,
-                                  make_sender)
+from kvtransfer.transports.dist import transfer_plan
+from kvtransfer import make_receiver, make_sender
+from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch
 from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
 
 KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
@@ -438,7 +438,7 @@ def test_transfer_plan_packs_small_frames_first():
 _CHILD = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[4])
-from kvtransfer.transport import make_sender
+from kvtransfer import make_sender
 from tests.test_transport import FP, LAYOUT, _msg
 kind, dest, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tx = make_sender(kind, FP, LAYOUT, "child-prefill")
@@ -503,7 +503,7 @@ def test_destination_names_its_receiver_so_a_restarted_one_is_refused(net, kind)
 def test_pusher_lanes_keep_a_dead_destination_from_stalling_the_others(net):
     """A destination that never completes the handshake holds only its own lane: a transfer to a
     live receiver is acked meanwhile; the dead one fails on its own (handshake timeout)."""
-    from kvtransfer.pusher import Pusher
+    from kvtransfer.sender import Pusher
     live = net.rx("zmq-tcp")
     dead_port = _free_port()
     black_hole = socket.socket()                 # accepts TCP, never speaks ZMTP
@@ -560,7 +560,7 @@ def test_receiver_notifies_on_each_delivery(net, kind):
 def test_pusher_notifies_each_result(net):
     """``Pusher(notify=...)``: an acknowledgement (or failure) of a transfer calls it, so the
     prefill loop wakes for it instead of polling on a timer."""
-    from kvtransfer.pusher import Pusher
+    from kvtransfer.sender import Pusher
     rx = net.rx("zmq-tcp")
     woken = threading.Event()
     pusher = Pusher(lambda: make_sender("zmq-tcp", FP, LAYOUT, "prefill-notify"), ack_timeout_s=30,

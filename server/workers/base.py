@@ -76,7 +76,7 @@ def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
     ``parallel.state`` "whole": a request's state travels unsharded from the prefill leader to the
     decode leader (every rank holds it whole: attention is not sharded), so instances of any
     parallel layouts pair (prefill CP 2 -> decode EP 2, ...). A sharded state would name its
-    sharding here and be refused at the handshake (``kvtransfer.transport``), never mid-transfer.
+    sharding here and be refused at the handshake (``kvtransfer.interfaces``), never mid-transfer.
     """
     a = engine.model.args
     layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),

@@ -4,7 +4,7 @@ arrives (verified, fenced), then decodes it in the running batch and streams tok
 ``reserve`` takes the state slots and a batch place under a lease (``lease_s``), or queues the
 sample (FIFO, at most ``max_queued``; beyond that 429) until running samples make room; if the state is
 not committed in time the reservation is freed and the transfer id is fenced, so a late write
-never lands. Every message is checked (``wire.decode_state``: fingerprint, sizes, crc32) before
+never lands. Every message is checked (``kvtransfer.receiver``: fingerprint, sizes, crc32) before
 a byte is written; a bad one fails the sample (``error`` to the gateway, ``nack`` to prefill).
 """
 from __future__ import annotations
@@ -17,9 +17,8 @@ from engine.core.block_manager import CacheFullError
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.core.request import RequestOutput
-from kvtransfer.assembler import TransferTable
-from kvtransfer.transport import make_receiver
-from kvtransfer.wire import TransferError, decode_header, decode_state
+from kvtransfer import make_receiver
+from kvtransfer.receiver import Action, TransferReceiver
 from server.workers.base import Worker, WorkerOptions
 from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 
@@ -31,7 +30,6 @@ class DecodeWorker(Worker):
 
     def __init__(self, engine: LLMEngine, opts: WorkerOptions):
         super().__init__(engine, opts)
-        self.table = TransferTable(len(engine.model.layers))
         # dist: the engine's device picks the data plane (cpu gloo, cuda nccl, npu hccl)
         dist = {"device": str(engine.model.embed.weight.device)} if opts.transport == "dist" else {}
         self.receiver = make_receiver(opts.transport, opts.host, opts.state_port, self.fingerprint, self.layout,
@@ -39,6 +37,8 @@ class DecodeWorker(Worker):
                                       receiver_id=f"decode-{self.instance_id}", **dist)
         self.state_addr = f"{self.receiver.address}#{self.receiver.receiver_id}"   # this process only
         self.receiver.set_notify(self.wake)      # a state message wakes the loop (no polling timer)
+        self.table = TransferReceiver(self.receiver, self.fingerprint, len(engine.model.layers),
+                                      f"decode instance {self.instance_id}")
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
@@ -133,6 +133,7 @@ class DecodeWorker(Worker):
             self.engine.abort(rid)
 
     def _fail(self, rid: str, cause: str, message: str, peer: str | None = None) -> None:
+        self.table.retire(rid)
         self.engine.unreserve(rid)
         self.metrics.transfer_failure(cause)
         self.metrics.success("error")
@@ -142,7 +143,7 @@ class DecodeWorker(Worker):
             self.reply(owner, {"op": "error", "rid": rid, "status": 502 if cause != "timeout" else 504,
                                "message": f"state transfer failed ({cause}): {message}"})
         if peer is not None:
-            self.receiver.reply(peer, {"op": "nack", "transfer_id": rid, "cause": cause, "reason": message})
+            self.table.nack(peer, rid, cause, message)
 
     def _error(self, rid: str, status: int, message: str) -> None:
         """Fail ``rid`` (queued, reserved or running): ``error`` to its gateway, state freed."""
@@ -177,43 +178,21 @@ class DecodeWorker(Worker):
 
     # ---- state -----------------------------------------------------------------------------------
     def tick(self) -> None:
-        for peer, frames in self.receiver.recv(0.0):
-            self._on_state(peer, frames)
+        for act in self.table.poll():
+            self._on_transfer(act)
         for p in self.table.expired():                # retired: a late write is fenced
             self._fail(p.transfer_id, "timeout", "no committed state within the lease")
         if self.queued:                               # last: after whatever freed room above
             self._admit_queued()
 
-    def _on_state(self, peer: str, frames: list) -> None:
-        try:
-            header = decode_header(frames[0])
-        except (TransferError, IndexError) as e:
-            self.metrics.transfer_failure("malformed")
-            log.warning("decode: dropped a state message: %s", e)
-            return
-        tid = header["transfer_id"]
-        pending = self.table.pending.get(tid)
-        if pending is None:
-            if header["kind"] != "cancel":          # a cancel after an abort is expected
-                known = self.table.is_known(tid)
-                self.metrics.transfer_failure("fenced" if known else "unknown")
-                why = ("retired (aborted, expired or done): fenced" if known else
-                       f"not reserved on decode instance {self.instance_id} (restarted?)")
-                self.receiver.reply(peer, {"op": "nack", "transfer_id": tid, "cause": "fenced" if known else "unknown",
-                                           "reason": f"transfer {tid} is {why}"})
-            return
-        try:
-            _, tensors = decode_state(frames, self.fingerprint)
-        except TransferError as e:
-            self.table.retire(tid)
-            self._fail(tid, "checksum" if "checksum" in str(e) else "malformed", str(e), peer)
-            return
-        nbytes = sum(memoryview(f).nbytes for f in frames)
-        act = self.table.on_message(header, tensors, nbytes)
+    def _on_transfer(self, act: Action) -> None:
+        """One state message, already fenced, verified and classified (``kvtransfer.receiver``)."""
+        tid = act.transfer_id
         if act.kind == "drop":
-            self.metrics.transfer_failure("fenced")
+            if act.cause:                            # fenced / unknown (a cancel after an abort is expected)
+                self.metrics.transfer_failure(act.cause)
         elif act.kind == "fail":
-            self._fail(tid, act.cause, act.message, peer)
+            self._fail(tid, act.cause, act.message, act.peer)
         elif act.kind == "cancel":
             self.engine.unreserve(tid)
             self.owners.pop(tid, None)
@@ -222,14 +201,12 @@ class DecodeWorker(Worker):
             try:
                 self.engine.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
             except RequestError as e:
-                self.table.retire(tid)
-                self._fail(tid, "malformed", str(e), peer)
+                self._fail(tid, "malformed", str(e), act.peer)
                 return
             if act.first_token is not None:          # a whole-state message: load + commit
-                self.table.retire(tid)
-                self._commit(tid, act.first_token, pending, peer)
+                self._commit(tid, act.first_token, act.pending, act.peer)
         elif act.kind == "commit":
-            self._commit(tid, act.first_token, pending, peer)
+            self._commit(tid, act.first_token, act.pending, act.peer)
 
     def _commit(self, tid: str, first_token: int, pending, peer: str) -> None:
         try:
@@ -241,7 +218,7 @@ class DecodeWorker(Worker):
         self.metrics.transfer_bytes.inc(pending.nbytes)
         self.metrics.transfer_time.observe(secs)
         self.metrics.prompt_tokens.inc(pending.num_tokens)
-        self.receiver.reply(peer, {"op": "ack", "transfer_id": tid, "bytes": pending.nbytes})
+        self.table.ack(peer, tid, pending.nbytes)
         self.transfers[tid] = {"bytes": pending.nbytes, "payload_bytes": pending.payload_bytes, "seconds": secs,
                                "num_tokens": pending.num_tokens, "layers_before_commit": len(pending.received)}
         while len(self.transfers) > 1024:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
 from engine.core.request import RequestOutput, finish_reason
-from kvtransfer.pusher import Pusher
-from kvtransfer.transport import make_sender
+from kvtransfer import make_sender
+from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
 from server.workers.base import Worker, WorkerOptions
 from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict

@@ -1,4 +1,5 @@
-"""Prefill side of transfers: threads that push state messages as the engine produces them.
+"""Prefill side of transfers: one lane per destination pushes state messages as the engine
+produces them.
 
 The engine loop enqueues each layer's message the moment that layer is final (so sending
 overlaps the rest of prefill), then a commit or a cancel. A thread per destination owns a
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer.transport import StateSender, TransportError
+from kvtransfer.interfaces import StateSender, TransportError
 
 log = logging.getLogger(__name__)
 

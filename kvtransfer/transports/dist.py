@@ -1,4 +1,5 @@
-"""torch.distributed transport: control over ZMQ, tensor bytes over a 2-rank process group per pair.
+"""torch.distributed transport: a ZMQ sender / receiver whose payload planes move tensor bytes over
+a 2-rank process group per pair.
 
 Address: ``dist+tcp://HOST:PORT`` (or ``dist+ipc:///PATH``) names the receiver's ZMQ control
 endpoint. The receiver also hosts a ``torch.distributed.TCPStore`` (``store_port``, default a free
@@ -13,7 +14,7 @@ into one buffer (one op instead of hundreds of tiny ones), larger frames go one 
 from the sender's buffers; empty frames send nothing. Tag = op index within the message. The
 receiver reassembles [header, buf_1 .. buf_n] so ``wire.decode_state`` works unchanged.
 
-Backend by device: "cpu" -> gloo, "cuda[:i]" -> nccl, "npu[:i]" -> hccl (torch_npu). Only gloo is
+Backend by device: "cpu" -> gloo, "cuda[:i]" -> nccl, "npu[:i]" -> hccl (torch_npu); only gloo is
 exercised here. The data plane trusts its peer like any c10d group does: gloo aborts the process
 when a peer sends more bytes than a posted recv (the sender checks every frame size against the
 header before sending, and a receiver that drops a header tears the pair down so the plan can never
@@ -43,10 +44,11 @@ from itertools import count
 import torch
 import torch.distributed as dist
 
-from kvtransfer import wire
-from kvtransfer.transport import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TransportError, check_message,
-                                  pack_control)
-from kvtransfer.zmq_transport import ZmqStateReceiver, ZmqStateSender, _Conn, _Peer
+from kvtransfer.interfaces import PROTOCOL_VERSION, REJECT_OP, TAG_MSG, Delivered, TransportError, check_message
+from kvtransfer.transports.plane import Connection, Peer, ReceiverPlane, SenderPlane
+from kvtransfer.transports.zmq_receiver import ZmqStateReceiver
+from kvtransfer.transports.zmq_sender import ZmqStateSender
+from kvtransfer.wire import TransferError
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -147,28 +149,36 @@ class _TxPair:
         self.store, self.pg, self.peer_rank, self.coalesce = store, pg, peer_rank, coalesce
 
 
-class DistStateSender(ZmqStateSender):
-    """Prefill side of the dist transport. Frames may also be torch tensors (any device); CPU
+def dist_sender(fingerprint: str, layout: dict, sender_id: str, device: str = "cpu", op_timeout_s: float = 120.0,
+                local_host: str | None = None, **kw) -> ZmqStateSender:
+    """Prefill side of the dist transport: a ZMQ sender (``ZmqStateSender``'s keyword arguments)
+    whose tensor bytes go over a pair group. Frames may also be torch tensors (any device); CPU
     buffers are moved to ``device`` when it is an accelerator.
 
-    Args (beyond ZmqStateSender's): device ("cpu" -> gloo, "cuda:i" -> nccl, "npu:i" -> hccl),
-        op_timeout_s (per group op), local_host (address gloo listens on; default the local
-        address routing to the receiver).
-    """
-    transport_name = "dist"
-    _dist = True
+    Args: device ("cpu" -> gloo, "cuda:i" -> nccl, "npu:i" -> hccl), op_timeout_s (per group
+        op), local_host (address gloo listens on; default the local address routing to the receiver).
 
-    def __init__(self, fingerprint: str, layout: dict, sender_id: str, device: str = "cpu",
-                 op_timeout_s: float = 120.0, local_host: str | None = None, **kw):
-        super().__init__(fingerprint, layout, sender_id, **kw)
+    Raises:
+        ValueError: a device without a backend, a bad sender_id or secret.
+    """
+    return ZmqStateSender(fingerprint, layout, sender_id, plane=DistSenderPlane(device, op_timeout_s, local_host),
+                          **kw)
+
+
+class DistSenderPlane(SenderPlane):
+    """Tensor bytes of each message over the connection's 2-rank group, in ``transfer_plan`` order."""
+    transport = "dist"
+    dist_addresses = True
+
+    def __init__(self, device: str = "cpu", op_timeout_s: float = 120.0, local_host: str | None = None):
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.op_timeout_s, self.local_host = op_timeout_s, local_host
 
-    def _mine(self) -> dict:
-        return {**super()._mine(), "backend": self.backend}
+    def handshake_fields(self) -> dict:
+        return {"backend": self.backend}
 
-    def _on_welcome(self, conn: _Conn, w: dict, deadline: float) -> None:
+    def open(self, conn: Connection, w: dict, deadline: float) -> _TxPair:
         if not (isinstance(w.get("store_port"), int) and isinstance(w.get("prefix"), str)
                 and w.get("rank") in (0, 1) and isinstance(w.get("coalesce_bytes"), int)):
             raise TransportError(f"handshake with {conn.dest}: welcome lacks the dist rendezvous fields")
@@ -182,25 +192,24 @@ class DistStateSender(ZmqStateSender):
         except Exception as e:
             raise TransportError(f"dist rendezvous with {conn.dest} (store {host}:{w['store_port']}) failed: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        conn.extra = _TxPair(store, pg, 1 - w["rank"], w["coalesce_bytes"])
+        return _TxPair(store, pg, 1 - w["rank"], w["coalesce_bytes"])
 
-    def _close_extra(self, conn: _Conn) -> None:
-        conn.extra = None   # drops the group: its connections close, a pending peer op errors
+    def close(self, conn: Connection) -> None:
+        conn.state = None   # drops the group: its connections close, a pending peer op errors
 
-    def _send_payload(self, conn: _Conn, frames: list, header: dict) -> None:
-        pair: _TxPair = conn.extra
+    def prepare(self, conn: Connection, frames: list, header: dict) -> list[torch.Tensor]:
         sizes = [m["nbytes"] for m in header["tensors"]]
-        bufs = [self._op_buffer(frames, op, sizes) for op in transfer_plan(sizes, pair.coalesce)]   # may raise
+        return [self._op_buffer(frames, op, sizes) for op in transfer_plan(sizes, conn.state.coalesce)]
+
+    def send(self, conn: Connection, frames: list, bufs: list[torch.Tensor]) -> None:
+        # any failure from here on ends the connection (the sender drops it): the receiver expects exactly these ops
+        pair: _TxPair = conn.state
         conn.sock.send_multipart([TAG_MSG, frames[0]])
-        try:   # from here on a failure must end the pair: the receiver expects exactly these ops
+        try:
             _wait_all([pair.pg.send([t], pair.peer_rank, tag) for tag, t in enumerate(bufs)])
         except RuntimeError as e:
-            self._drop(conn.dest)
             raise TransportError(f"dist send to {conn.dest} failed (decode peer gone?): "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        except BaseException:
-            self._drop(conn.dest)
-            raise
 
     def _op_buffer(self, frames: list, op: list[int], sizes: list[int]) -> torch.Tensor:
         """The uint8 tensor one group op sends: the frame itself (zero-copy) or small frames packed."""
@@ -223,31 +232,51 @@ class DistStateSender(ZmqStateSender):
 class _RxPair:
     """Receiver side of one pair: its thread builds the group, then receives messages in order."""
 
-    def __init__(self, peer: _Peer, prefix: str):
+    def __init__(self, peer: Peer, prefix: str):
         self.peer, self.prefix = peer, prefix
         self.q: queue.SimpleQueue = queue.SimpleQueue()   # (header buffer, header dict, nbytes) | None
+        self.lock = threading.Lock()                      # ``dead`` and what is queued
         self.stop = threading.Event()
         self.dead = False
         self.thread: threading.Thread | None = None
 
 
-class DistStateReceiver(ZmqStateReceiver):
-    """Decode side of the dist transport, address ``dist+tcp://HOST:PORT`` (``dist+ipc://PATH``
-    with ``ipc_path``).
+def dist_receiver(host: str, port: int, fingerprint: str, layout: dict, store_port: int = 0,
+                  advertise_host: str | None = None, device: str = "cpu", op_timeout_s: float = 120.0,
+                  coalesce_bytes: int = 1 << 20, deliver: str = "cpu", ipc_path: str | None = None,
+                  rendezvous_timeout_s: float = 30.0, **kw) -> ZmqStateReceiver:
+    """Decode side of the dist transport: a ZMQ receiver (``ZmqStateReceiver``'s keyword arguments)
+    at ``dist+tcp://HOST:PORT`` (``dist+ipc://PATH`` with ``ipc_path``) whose tensor bytes arrive
+    over one pair group per sender.
 
-    Args (beyond ZmqStateReceiver's): store_port (TCPStore, 0: a free port), advertise_host (store
-        host put in the welcome; default the bind host, or the sender's dest host for wildcards),
-        device (as for the sender), op_timeout_s (per group op), rendezvous_timeout_s (how long a
-        pair thread waits for the sender to join its group), coalesce_bytes
-        (frames smaller than this are packed into one op), deliver ("cpu": frames are host
-        buffers for wire.decode_state; "device": uint8 device tensors, accelerators only).
+    Args: store_port (TCPStore, 0: a free port), advertise_host (store host put in the welcome;
+        default the bind host, or the sender's dest host for wildcards), device (as for the
+        sender), op_timeout_s (per group op), rendezvous_timeout_s (how long a pair thread waits
+        for the sender to join its group), coalesce_bytes (frames smaller than this are packed
+        into one op), deliver ("cpu": frames are host buffers for wire.decode_state; "device":
+        uint8 device tensors, accelerators only).
+
+    Raises:
+        ValueError: bad ``deliver`` / device. OSError, zmq.ZMQError: an address cannot be bound.
     """
-    transport_name = "dist"
+    plane = DistReceiverPlane(host, store_port, advertise_host, device, op_timeout_s, coalesce_bytes, deliver,
+                              rendezvous_timeout_s)
+    try:
+        return ZmqStateReceiver("zmq-ipc" if ipc_path else "zmq-tcp", host, port, fingerprint, layout,
+                                ipc_path=ipc_path, advertise_host=advertise_host, plane=plane, **kw)
+    except BaseException:
+        plane.close()
+        raise
 
-    def __init__(self, host: str, port: int, fingerprint: str, layout: dict, store_port: int = 0,
-                 advertise_host: str | None = None, device: str = "cpu", op_timeout_s: float = 120.0,
-                 coalesce_bytes: int = 1 << 20, deliver: str = "cpu", ipc_path: str | None = None,
-                 rendezvous_timeout_s: float = 30.0, **kw):
+
+class DistReceiverPlane(ReceiverPlane):
+    """Hosts the TCPStore; one pair (group + thread) per handshaked sender (``dist_receiver``'s args)."""
+    transport = "dist"
+    address_prefix = "dist+"
+    counters = ("pair_failures",)
+
+    def __init__(self, host: str, store_port: int, advertise_host: str | None, device: str, op_timeout_s: float,
+                 coalesce_bytes: int, deliver: str, rendezvous_timeout_s: float):
         self.device = torch.device(device)
         self.backend = backend_for(self.device)
         self.op_timeout_s, self.coalesce_bytes, self.deliver_to = op_timeout_s, int(coalesce_bytes), deliver
@@ -271,54 +300,43 @@ class DistStateReceiver(ZmqStateReceiver):
         self._pairs_n = count()
         self._pairs: set[_RxPair] = set()
         self._pairs_lock = threading.Lock()
-        try:
-            super().__init__("zmq-ipc" if ipc_path else "zmq-tcp", host, port, fingerprint, layout,
-                             ipc_path=ipc_path, advertise_host=advertise_host, **kw)
-        except BaseException:
-            self._store = None
-            raise
-        self._stats["pair_failures"] = 0
 
-    def _public_address(self, zaddr: str) -> str:
-        return "dist+" + zaddr
+    def handshake_fields(self) -> dict:
+        return {"backend": self.backend}
 
-    def _mine(self) -> dict:
-        return {**super()._mine(), "backend": self.backend}
-
-    # -- handshake: one pair (group + thread) per sender -----------------------------------
-    def _welcome_extra(self, peer: _Peer, hello: dict) -> dict:
-        pair = _RxPair(peer, f"dsv4-pd/{self.receiver_id}/{uuid.uuid4().hex[:8]}/{next(self._pairs_n)}")
+    def welcome(self, peer: Peer, hello: dict) -> dict:
+        pair = _RxPair(peer, f"dsv4-pd/{self.rx.receiver_id}/{uuid.uuid4().hex[:8]}/{next(self._pairs_n)}")
         pair.thread = threading.Thread(target=self._pair_main, args=(pair,), daemon=True,
                                        name=f"state-rx-pair-{peer.peer_id}")
-        peer.extra = pair
+        peer.state = pair
         with self._pairs_lock:
             self._pairs.add(pair)
         pair.thread.start()
         return {"store_host": self._store_host, "store_port": self.store_port, "prefix": pair.prefix, "rank": 0,
                 "coalesce_bytes": self.coalesce_bytes}
 
-    def _accept(self, peer: _Peer, body: list) -> None:
-        h = check_message(body, self.limits, with_tensor_frames=False)
-        nbytes = len(body[0]) + sum(m["nbytes"] for m in h["tensors"])
-        pair: _RxPair = peer.extra
-        with self._cond:   # the pair thread sets ``dead`` under this lock before releasing its queue
+    def accept(self, peer: Peer, frames: list) -> None:
+        h = check_message(frames, self.rx.limits, with_tensor_frames=False)
+        nbytes = len(frames[0]) + sum(m["nbytes"] for m in h["tensors"])
+        pair: _RxPair = peer.state
+        with pair.lock:   # the pair thread sets ``dead`` under this lock before releasing its queue
             if pair.dead:
-                raise wire.TransferError("dist pair failed; handshake again")
-            self._pending += nbytes
-            pair.q.put((body[0], h, nbytes))
+                raise TransferError("dist pair failed; handshake again")
+            self.rx.reserve(nbytes)
+            pair.q.put((frames[0], h, nbytes))
 
-    def _on_dropped(self, peer: _Peer) -> None:
+    def dropped(self, peer: Peer) -> None:
         # the sender will push this message's tensors anyway: never let the plan desynchronise
-        self._forget(peer)
+        self.rx.forget(peer)
 
-    def _peer_gone(self, peer: _Peer, graceful: bool = False) -> None:
-        pair: _RxPair | None = peer.extra
+    def peer_gone(self, peer: Peer, graceful: bool = False) -> None:
+        pair: _RxPair | None = peer.state
         if pair is not None:
             if not graceful:   # graceful: the pair thread finishes the queued messages first
                 pair.stop.set()
             pair.q.put(None)
 
-    def _close_extra(self) -> None:
+    def close(self) -> None:
         with self._pairs_lock:
             pairs = list(self._pairs)
         for p in pairs:
@@ -339,18 +357,17 @@ class DistStateReceiver(ZmqStateReceiver):
                 if item is None:
                     break
                 hbuf, h, nbytes = item
-                frames = self._recv_tensors(pg, pair, h)
-                self._deliver(pair.peer.peer_id, [hbuf, *frames], nbytes, reserved=True)
+                frames = self._recv_tensors(pg, h)
+                self.rx.deliver(Delivered(pair.peer.peer_id, h, [hbuf, *frames], nbytes), reserved=True)
         except Exception as e:
             if not pair.stop.is_set():
-                self._count("pair_failures")
-                if self._forget(pair.peer):
-                    self._queue_out(pair.peer.rid, TAG_CTL, pack_control(
-                        {"op": REJECT_OP, "v": PROTOCOL_VERSION, "transfer_id": None,
-                         "reason": f"dist pair failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"},
-                        self.limits.max_control_bytes))
+                self.rx.count("pair_failures")
+                if self.rx.forget(pair.peer):
+                    self.rx.send_control(pair.peer, {
+                        "op": REJECT_OP, "v": PROTOCOL_VERSION, "transfer_id": None,
+                        "reason": f"dist pair failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"})
         finally:
-            with self._cond:
+            with pair.lock:
                 pair.dead = True
                 while True:   # release reservations of messages that will never arrive
                     try:
@@ -358,12 +375,12 @@ class DistStateReceiver(ZmqStateReceiver):
                     except queue.Empty:
                         break
                     if item is not None:
-                        self._pending -= item[2]
+                        self.rx.release(item[2])
             with self._pairs_lock:
                 self._pairs.discard(pair)
             del pg
 
-    def _recv_tensors(self, pg, pair: _RxPair, h: dict) -> list:
+    def _recv_tensors(self, pg, h: dict) -> list:
         metas = h["tensors"]
         sizes = [m["nbytes"] for m in metas]
         plan = transfer_plan(sizes, self.coalesce_bytes)
@@ -371,21 +388,14 @@ class DistStateReceiver(ZmqStateReceiver):
         works = [pg.recv([b], 0, tag) for tag, b in enumerate(bufs)]
         _wait_all(works)
         frames: list = [b""] * len(sizes)
+        to_host = self.deliver_to == "cpu" or self.device.type == "cpu"
         for op, b in zip(plan, bufs):
-            if self.deliver_to == "cpu" or self.device.type == "cpu":
-                b = b.cpu()
-                mv = memoryview(b.numpy())
-                off = 0
-                for i in op:
-                    frames[i] = mv[off:off + sizes[i]]
-                    off += sizes[i]
-            else:
-                off = 0
-                for i in op:
-                    frames[i] = b[off:off + sizes[i]]
-                    off += sizes[i]
+            buf = memoryview(b.cpu().numpy()) if to_host else b   # both slice without copying
+            off = 0
+            for i in op:
+                frames[i] = buf[off:off + sizes[i]]
+                off += sizes[i]
         if self.deliver_to == "device" and self.device.type != "cpu":
             frames = [f if isinstance(f, torch.Tensor) else torch.empty(0, dtype=torch.uint8, device=self.device)
                       for f in frames]
         return frames
-

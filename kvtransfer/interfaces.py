@@ -1,9 +1,12 @@
-"""Transports for a request's decode state (prefill -> decode), behind one interface.
+"""The transfer protocol between a prefill and a decode worker: the StateSender / StateReceiver
+interfaces every transport implements, the control messages both sides exchange, and the checks
+and address helpers they share. Pick a transport with ``kvtransfer.make_sender`` / ``make_receiver``.
 
 A *message* is a list of frames exactly as ``kvtransfer.wire`` builds them: frame 0 is a msgpack
 header that ``wire.decode_header`` parses, frames 1..n are the raw bytes of the tensors the header
 lists (``header["tensors"][i]["nbytes"]`` bytes each; n may be 0). Transports never look at the
-message kind and never verify crc32: the decode worker does that with ``wire.decode_state``, so a
+message kind and never verify crc32: they parse the header once to check sizes and hand it over
+with the frames (``Delivered``); the decode side (``kvtransfer.receiver``) fences and verifies, so a
 corrupted frame is delivered and counted there.
 
 Kinds and the addresses a receiver advertises (``StateReceiver.address``, what senders pass as
@@ -33,17 +36,23 @@ what is already under way. A hello whose sender_id is already connected supersed
 is full the receiver probes its peers with ``{"op": "ping", "v": 1}`` (senders ignore it) and
 forgets those whose connection is gone.
 
+Replies of the transfer itself (``StateReceiver.reply`` -> ``StateSender.poll_replies``), one per
+transfer id, after its commit (or whole-state message) or when decode refuses it:
+
+    decode -> prefill   {"op": "ack", "transfer_id", "bytes"}        ``ack_message``: state joined the batch
+                        {"op": "nack", "transfer_id", "cause", "reason"}   ``nack_message``: refused / failed
+
 Every ZMQ message also carries a leading one-byte tag frame (C control, M state message, R reply),
 so control and state messages never depend on what the wire header contains.
 
 No pickle anywhere: control messages are msgpack of plain types; every size is bounded (``Limits``).
 
-Security: ``make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the cluster's
-shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
+Security: ``kvtransfer.make_receiver(..., secret=S)`` / ``make_sender(..., secret=S)`` with the
+cluster's shared secret run the ZMQ pair (the dist kind's control channel too) under CURVE with ZAP
 (``kvtransfer.secure``): encrypted, and a peer without S cannot deliver a single frame; a sender
 whose secret differs gets TransportError from ``connect``. Both sides must agree (secret on one
 side only fails the handshake). ``secret=None`` (the default): plain ZMQ, for loopback / trusted
-networks. The dist kind's torch.distributed data plane is not covered (see dist_transport).
+networks. The dist kind's torch.distributed data plane is not covered (see kvtransfer.transports.dist).
 """
 from __future__ import annotations
 
@@ -56,10 +65,10 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
-from kvtransfer import wire
+from kvtransfer.wire import TransferError, decode_header
 
 PROTOCOL_VERSION = 1
-KINDS = ("zmq-tcp", "zmq-ipc", "dist")
+MAX_ID = 256   # characters of a sender_id / receiver_id / nonce
 REJECT_OP = "transport.reject"
 
 # First frame of every ZMQ message on the pair: what the rest is.
@@ -164,6 +173,17 @@ def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | No
     return "; ".join(reasons) or None
 
 
+def ack_message(transfer_id: str, nbytes: int) -> dict:
+    """Decode's reply: the transfer's state (``nbytes`` bytes, all frames) is loaded and committed."""
+    return {"op": "ack", "transfer_id": transfer_id, "bytes": nbytes}
+
+
+def nack_message(transfer_id: str, cause: str, reason: str) -> dict:
+    """Decode's reply: the transfer failed or was refused. ``cause``: checksum | malformed | timeout |
+    fenced | unknown (the ``kv_transfer_failures`` causes); ``reason``: for people."""
+    return {"op": "nack", "transfer_id": transfer_id, "cause": cause, "reason": reason}
+
+
 # --------------------------------------------------------------------------------------------- #
 # message checks shared by senders (before sending) and receivers (before delivering)
 
@@ -178,26 +198,31 @@ def check_message(frames: list, limits: Limits, with_tensor_frames: bool = True)
             ``limits.max_message_bytes``, frame count or a frame's size not what the header lists.
     """
     if not frames:
-        raise wire.TransferError("message: no frames")
+        raise TransferError("message: no frames")
     if len(frames) - 1 > limits.max_frames:
-        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames exceed {limits.max_frames}")
-    h = wire.decode_header(frames[0])
+        raise TransferError(f"message: {len(frames) - 1} tensor frames exceed {limits.max_frames}")
+    h = decode_header(frames[0])
     metas = h["tensors"]
     if len(metas) > limits.max_frames:
-        raise wire.TransferError(f"message: {len(metas)} tensors exceed {limits.max_frames}")
+        raise TransferError(f"message: {len(metas)} tensors exceed {limits.max_frames}")
     total = len(frames[0]) + sum(m["nbytes"] for m in metas)
     if total > limits.max_message_bytes:
-        raise wire.TransferError(f"message: {total} bytes exceed {limits.max_message_bytes}")
+        raise TransferError(f"message: {total} bytes exceed {limits.max_message_bytes}")
     if with_tensor_frames:
         if len(frames) != 1 + len(metas):
-            raise wire.TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
+            raise TransferError(f"message: {len(frames) - 1} tensor frames for {len(metas)} listed tensors")
         for m, f in zip(metas, frames[1:]):
             n = frame_nbytes(f)
             if n != m["nbytes"]:
-                raise wire.TransferError(f"tensor {m['name']}: frame has {n} bytes, header says {m['nbytes']}")
+                raise TransferError(f"tensor {m['name']}: frame has {n} bytes, header says {m['nbytes']}")
     elif len(frames) != 1:
-        raise wire.TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
+        raise TransferError(f"message: {len(frames) - 1} tensor frames on the control path, expected 0")
     return h
+
+
+def valid_id(v, n: int = MAX_ID) -> bool:
+    """A sender_id / receiver_id / nonce: a non-empty str of at most ``n`` characters."""
+    return isinstance(v, str) and 0 < len(v) <= n
 
 
 def frame_nbytes(f) -> int:
@@ -212,7 +237,7 @@ def frame_nbytes(f) -> int:
 def transfer_id_of(frame0) -> str | None:
     """Best-effort transfer id of a message's header (for reject replies); None when unparseable."""
     try:
-        return wire.decode_header(frame0)["transfer_id"]
+        return decode_header(frame0)["transfer_id"]
     except Exception:
         return None
 
@@ -256,6 +281,21 @@ def default_ipc_path(port: int) -> str:
 
 # --------------------------------------------------------------------------------------------- #
 # the interface
+
+@dataclass(frozen=True)
+class Delivered:
+    """One complete state message as a receiver delivers it.
+
+    ``frames``: [header, tensor frames...], tensor frames as buffers (memoryview / bytes) of exactly
+    the listed nbytes, crc32 NOT checked. ``header``: ``wire.decode_header(frames[0])``, parsed once
+    by the transport's own check (``check_message``), so the decode side never parses it again.
+    ``nbytes``: all frames, header included.
+    """
+    peer_id: str
+    header: dict
+    frames: list
+    nbytes: int
+
 
 class StateSender(ABC):
     """Prefill side: pushes state messages to decode receivers. Used from ONE thread only."""
@@ -311,10 +351,13 @@ class StateReceiver(ABC):
         self._notify = fn
 
     @abstractmethod
+    def recv_messages(self, timeout_s: float = 0.0) -> list[Delivered]:
+        """Complete messages in arrival order (per sender, order preserved), waiting up to
+        ``timeout_s`` s for the first."""
+
     def recv(self, timeout_s: float = 0.0) -> list[tuple[str, list]]:
-        """(peer_id, frames) complete messages in arrival order (per sender, order preserved),
-        waiting up to ``timeout_s`` s for the first. frames[0] is the header; tensor frames are
-        buffers (memoryview / bytes) of exactly the listed nbytes, crc32 NOT checked."""
+        """``recv_messages`` as (peer_id, frames) pairs, for callers that need only the bytes."""
+        return [(d.peer_id, d.frames) for d in self.recv_messages(timeout_s)]
 
     @abstractmethod
     def reply(self, peer_id: str, msg: dict) -> None:
@@ -340,47 +383,3 @@ class StateReceiver(ABC):
 
     def __exit__(self, *exc):
         self.close()
-
-
-def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0, fingerprint: str = "",
-                  layout: dict | None = None, secret=None, **kw) -> StateReceiver:
-    """Bind a receiver of ``kind`` ("zmq-tcp" | "zmq-ipc" | "dist") on ``host``:``port`` (0: a free
-    port). ``secret``: the cluster shared secret (str / bytes of >= 16 characters, or
-    ``secure.ClusterKeys``) -> CURVE server accepting only senders with the same secret; None:
-    plain ZMQ. Keyword arguments: ``receiver_id``, ``ipc_path`` (zmq-ipc, or dist over ipc),
-    ``advertise_host``, ``linger_ms``, the ``Limits`` fields, and for dist ``store_port``,
-    ``device``, ``op_timeout_s``, ``rendezvous_timeout_s``, ``coalesce_bytes``, ``deliver``.
-
-    Raises:
-        ValueError: unknown kind, or an empty / too short secret. zmq.ZMQError / OSError: the
-            address (or store port) cannot be bound.
-    """
-    layout = {} if layout is None else layout
-    if kind in ("zmq-tcp", "zmq-ipc"):
-        from kvtransfer.zmq_transport import ZmqStateReceiver
-        return ZmqStateReceiver(kind, host, port, fingerprint, layout, secret=secret, **kw)
-    if kind == "dist":
-        from kvtransfer.dist_transport import DistStateReceiver
-        return DistStateReceiver(host, port, fingerprint, layout, secret=secret, **kw)
-    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
-
-
-def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_id: str = "", secret=None,
-                **kw) -> StateSender:
-    """A sender of ``kind``. "zmq-tcp" and "zmq-ipc" are the same sender (the dest address says
-    which). ``secret``: the cluster shared secret (as for ``make_receiver``; must equal the
-    receiver's) -> CURVE client; None: plain ZMQ. Keyword arguments: ``send_timeout_s``,
-    ``linger_ms``, ``max_control_bytes``, and for dist ``device``, ``op_timeout_s``, ``local_host``.
-
-    Raises:
-        ValueError: unknown kind, or an empty / too short secret.
-    """
-    layout = {} if layout is None else layout
-    sender_id = sender_id or f"prefill-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if kind in ("zmq-tcp", "zmq-ipc"):
-        from kvtransfer.zmq_transport import ZmqStateSender
-        return ZmqStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
-    if kind == "dist":
-        from kvtransfer.dist_transport import DistStateSender
-        return DistStateSender(fingerprint, layout, sender_id, secret=secret, **kw)
-    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
