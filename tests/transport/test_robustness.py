@@ -1,5 +1,5 @@
-"""State transports (zmq-tcp, zmq-ipc, dist over gloo) on real sockets: exact bytes, order, the
-handshake refuses mismatches by name, garbage never kills a receiver, replies, many senders, close."""
+"""Garbage and malformed messages never kill a receiver; replies, several senders, restarts, close,
+back-pressure, a sender in another process, pusher lanes and notifications."""
 from __future__ import annotations
 
 import os
@@ -8,219 +8,26 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from kvtransfer.transports.dist import transfer_plan
 from kvtransfer import make_receiver, make_sender
-from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError, handshake_mismatch
-from kvtransfer.wire import TransferError, decode_state, encode_state, model_fingerprint
+from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError
+from kvtransfer.transports.dist import transfer_plan
+from kvtransfer.wire import TransferError, decode_state, encode_state
 
-KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
-REPO = Path(__file__).resolve().parents[1]
-FP = model_fingerprint({"name": "tiny-transport"}, torch.bfloat16, {"block_size": 16})
-LAYOUT = {"kv_dtype": "bfloat16", "block_size": 16, "parallel": {"tp": 1, "dp": 1}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Net:
-    """Creates receivers / senders for one test and closes them all at teardown."""
-
-    def __init__(self, tmp_path):
-        self.tmp, self.items = tmp_path, []
-
-    def rx(self, kind, fingerprint=FP, layout=LAYOUT, **kw):
-        if kind == "dist":
-            kw.setdefault("op_timeout_s", 20)
-            kw.setdefault("rendezvous_timeout_s", 5)
-        r = make_receiver(kind, "127.0.0.1", kw.pop("port", 0), fingerprint, layout, **kw)
-        self.items.append(r)
-        return r
-
-    def tx(self, kind, fingerprint=FP, layout=LAYOUT, sender_id="prefill-0", **kw):
-        if kind == "dist":
-            kw.setdefault("op_timeout_s", 20)
-        s = make_sender(kind, fingerprint, layout, sender_id, **kw)
-        self.items.append(s)
-        return s
-
-    def close(self):
-        for it in reversed(self.items):
-            it.close()
-
-
-@pytest.fixture
-def net(tmp_path):
-    n = Net(tmp_path)
-    yield n
-    n.close()
-
-
-def _tensors(seed: int, big: int = 0) -> dict[str, torch.Tensor]:
-    """Several dtypes incl. bfloat16 / fp8 and empty tensors; ``big`` adds a bf16 tensor of that many
-    elements (2 bytes each) so the dist transport also takes its one-op-per-frame path."""
-    g = torch.Generator().manual_seed(seed)
-    out = {
-        "layers.0.win_kv": torch.randn(7, 64, generator=g).bfloat16(),
-        "layers.0.cmp_kv": torch.randn(3, 64, generator=g).half(),
-        "layers.0.comp.kv": torch.randn(2, 32, generator=g),
-        "layers.0.comp.score": torch.empty(0, 32),
-        "layers.1.idx_kv": torch.randint(-128, 128, (5, 16), generator=g, dtype=torch.int8),
-        "layers.1.raw": torch.randint(0, 256, (9,), generator=g, dtype=torch.uint8),
-        "layers.1.fp8": torch.randn(4, 8, generator=g).to(torch.float8_e4m3fn),
-        "layers.1.empty_bf16": torch.empty(0, 128, dtype=torch.bfloat16),
-    }
-    if big:
-        out["layers.2.big"] = torch.randn(big, generator=g).bfloat16()
-    return out
-
-
-def _msg(tid: str, seed: int = 0, big: int = 0, empty: bool = False) -> list:
-    return encode_state(tid, FP, 100 + seed, seed, {} if empty else _tensors(seed, big))
-
-
-def _recv_n(rx, n: int, timeout: float = 30.0) -> list:
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        out += rx.recv(0.5)
-    assert len(out) == n, f"got {len(out)} of {n} messages; stats {rx.stats}"
-    return out
-
-
-def _same_tensors(a: dict, b: dict) -> bool:
-    return list(a) == list(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8)) for k in a)
-
-
-def _tid(frames) -> str:
-    return msgpack.unpackb(bytes(frames[0]))["transfer_id"]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_round_trip_is_byte_exact(net, kind):
-    rx = net.rx(kind)
-    tx = net.tx(kind)
-    tx.connect(rx.address)
-    tx.connect(rx.address)   # idempotent
-    msgs = [_msg("t-small", 1), _msg("t-none", 2, empty=True), _msg("t-big", 3, big=1_500_000)]
-    sent = [tx.send(rx.address, m) for m in msgs]
-    assert sent == [sum(memoryview(f).nbytes for f in m) for m in msgs]
-    got = _recv_n(rx, 3)
-    for m, (peer, frames), seed in zip(msgs, got, (1, 2, 3)):
-        assert peer == "prefill-0"
-        assert [bytes(f) for f in frames] == [bytes(f) for f in m]
-        h, tensors = decode_state(frames, FP)
-        assert (h["num_tokens"], h["first_token"]) == (100 + seed, seed)
-        assert _same_tensors(tensors, {} if seed == 2 else _tensors(seed, 1_500_000 if seed == 3 else 0))
-    st = rx.stats
-    assert (st["messages"], st["bytes"], st["handshakes"], st["dropped_malformed"]) == (3, sum(sent), 1, 0)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_many_messages_keep_their_order(net, kind):
-    rx, tx = net.rx(kind), net.tx(kind)
-    n = 120
-    for i in range(n):
-        tx.send(rx.address, _msg(f"t{i}", i % 5, big=600_000 if i % 17 == 0 else 0, empty=i % 7 == 0))
-    got = _recv_n(rx, n)
-    assert [_tid(f) for _, f in got] == [f"t{i}" for i in range(n)]
-    assert all(decode_state(f, FP) for _, f in got[:10])
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_corrupted_frame_is_delivered_and_decode_refuses_it(net, kind):
-    rx, tx = net.rx(kind), net.tx(kind)
-    frames = [bytes(f) for f in _msg("t-bad", 4, big=700_000)]
-    bad = bytearray(frames[3])
-    bad[len(bad) // 2] ^= 0xFF
-    frames[3] = bytes(bad)
-    tx.send(rx.address, frames)
-    (_, got), = _recv_n(rx, 1)
-    assert [bytes(f) for f in got] == frames          # the transport does not hide it
-    with pytest.raises(TransferError, match="checksum"):
-        decode_state(got, FP)
-    assert rx.stats["dropped_malformed"] == 0
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_handshake_refuses_another_fingerprint(net, kind):
-    rx = net.rx(kind)
-    tx = net.tx(kind, fingerprint="0" * 64)
-    with pytest.raises(TransportError, match="refused by the decode side: fingerprint differs: prefill runs model 0000"):
-        tx.connect(rx.address, timeout_s=5)
-    with pytest.raises(TransportError, match="fingerprint differs"):
-        tx.send(rx.address, _msg("t", 1))       # send handshakes too, and refuses again
-    assert rx.stats["refused"] == 2 and rx.stats["peers"] == 0
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_handshake_refuses_another_layout_naming_the_key(net, kind):
-    rx = net.rx(kind)
-    other = {**LAYOUT, "kv_dtype": "float8_e4m3fn", "parallel": {"tp": 4, "dp": 1}}
-    tx = net.tx(kind, layout=other)
-    with pytest.raises(TransportError) as e:
-        tx.connect(rx.address, timeout_s=5)
-    msg = str(e.value)
-    assert "layout.kv_dtype differs: prefill has 'float8_e4m3fn', decode has 'bfloat16'" in msg
-    assert "layout.parallel.tp differs: prefill has 4, decode has 1" in msg
-    assert "fingerprint" not in msg and rx.stats["refused"] == 1
-
-
-def test_handshake_refuses_another_transport(net):
-    rx = net.rx("dist")
-    tx = net.tx("zmq-tcp")
-    with pytest.raises(TransportError, match="transport differs: prefill uses 'zmq', decode uses 'dist'"):
-        tx.connect(rx.address[len("dist+"):], timeout_s=5)
-    with pytest.raises(ValueError, match="expected tcp://"):
-        tx.connect(rx.address)
-
-
-def test_mismatch_reason_is_symmetric_and_none_when_equal():
-    a = {"transport": "zmq", "fingerprint": FP, "layout": LAYOUT}
-    assert handshake_mismatch(a, dict(a), "decode", "prefill") is None
-    b = {**a, "layout": {**LAYOUT, "extra": 1}}
-    assert handshake_mismatch(a, b, "decode", "prefill") == "layout.extra differs: prefill has 1, decode has None"
-
-
-@pytest.mark.parametrize("kind", ["zmq-tcp", "dist"])
-def test_connect_times_out_without_a_receiver(net, kind):
-    tx = net.tx(kind)
-    dest = ("dist+" if kind == "dist" else "") + f"tcp://127.0.0.1:{_free_port()}"
-    t0 = time.monotonic()
-    with pytest.raises(TransportError, match="timed out after 0.5 s"):
-        tx.connect(dest, timeout_s=0.5)
-    assert time.monotonic() - t0 < 3
-
-
-def _raw_dealer(ctx, rx):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(rx.address.removeprefix("dist+"))
-    return s
-
-
-def _raw_recv(sock, timeout_s=5.0) -> dict:
-    assert sock.poll(int(timeout_s * 1000)), "no answer from the receiver"
-    tag, payload = sock.recv_multipart()
-    assert tag == TAG_CTL
-    return msgpack.unpackb(payload)
+from .common import (FP, KINDS, LAYOUT, REPO, free_port, raw_dealer, raw_recv, recv_n, same_tensors,
+                     sample_tensors, state_msg, tid_of)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_garbage_never_crashes_the_receiver(net, kind):
     rx = net.rx(kind)
     ctx = zmq.Context()
-    raw = _raw_dealer(ctx, rx)
+    raw = raw_dealer(ctx, rx)
     try:
         rnd = torch.Generator().manual_seed(0)
         junk = lambda n: bytes(torch.randint(0, 256, (n,), generator=rnd, dtype=torch.uint8).tolist())  # noqa: E731
@@ -229,18 +36,18 @@ def test_garbage_never_crashes_the_receiver(net, kind):
                        [TAG_CTL, msgpack.packb({"op": "welcome"})], [TAG_CTL, b"a", b"b"], [b""] * 1000):
             raw.send_multipart(frames)
         raw.send_multipart([TAG_CTL, msgpack.packb({"op": "hello", "v": 1, "nonce": "n1"})])   # malformed hello
-        assert _raw_recv(raw) == {"op": "refuse", "v": 1, "nonce": "n1",
+        assert raw_recv(raw) == {"op": "refuse", "v": 1, "nonce": "n1",
                                   "reason": "malformed hello (sender_id, nonce, fingerprint, layout)"}
-        raw.send_multipart([TAG_MSG, *_msg("t-sneaky", 1)])   # a real message, but no handshake
-        rej = _raw_recv(raw)
+        raw.send_multipart([TAG_MSG, *state_msg("t-sneaky", 1)])   # a real message, but no handshake
+        rej = raw_recv(raw)
         assert rej["op"] == REJECT_OP and rej["transfer_id"] == "t-sneaky" and "no handshake" in rej["reason"]
     finally:
         raw.close()
         ctx.term()
     tx = net.tx(kind)                      # the receiver still works
-    tx.send(rx.address, _msg("t-ok", 2))
-    (peer, frames), = _recv_n(rx, 1)
-    assert peer == "prefill-0" and _tid(frames) == "t-ok"
+    tx.send(rx.address, state_msg("t-ok", 2))
+    (peer, frames), = recv_n(rx, 1)
+    assert peer == "prefill-0" and tid_of(frames) == "t-ok"
     st = rx.stats
     assert st["messages"] == 1 and st["dropped_malformed"] >= 9 and st["dropped_unknown_peer"] == 1
     assert st["refused"] == 1
@@ -250,14 +57,14 @@ def test_garbage_never_crashes_the_receiver(net, kind):
 def test_malformed_messages_after_handshake_are_dropped_and_rejected(net, kind):
     rx = net.rx(kind, max_frames=16, max_message_bytes=1 << 20)
     ctx = zmq.Context()
-    raw = _raw_dealer(ctx, rx)
+    raw = raw_dealer(ctx, rx)
     try:
         hello = {"op": "hello", "v": 1, "sender_id": "raw", "nonce": "n2", "fingerprint": FP, "layout": LAYOUT,
                  "transport": "zmq"}
         raw.send_multipart([TAG_CTL, msgpack.packb(hello)])
-        w = _raw_recv(raw)
+        w = raw_recv(raw)
         assert w["op"] == "welcome" and w["limits"] == {"max_frames": 16, "max_message_bytes": 1 << 20}
-        good = [bytes(f) for f in _msg("t-good", 1)]
+        good = [bytes(f) for f in state_msg("t-good", 1)]
         bad = {
             "frame count": good[:-1],
             "frame size": [*good[:-1], good[-1] + b"x"],
@@ -268,10 +75,10 @@ def test_malformed_messages_after_handshake_are_dropped_and_rejected(net, kind):
         }   # (a single frame over max_message_bytes never gets this far: ZMQ drops that connection)
         for frames in bad.values():
             raw.send_multipart([TAG_MSG, *frames])
-            rej = _raw_recv(raw)
+            rej = raw_recv(raw)
             assert rej["op"] == REJECT_OP and rej["reason"].startswith("dropped: ")
         raw.send_multipart([TAG_MSG, *good])
-        (peer, frames), = _recv_n(rx, 1)
+        (peer, frames), = recv_n(rx, 1)
         assert peer == "raw" and [bytes(f) for f in frames] == good
     finally:
         raw.close()
@@ -283,7 +90,7 @@ def test_malformed_messages_after_handshake_are_dropped_and_rejected(net, kind):
 def test_sender_checks_messages_before_sending(net, kind):
     rx = net.rx(kind, max_message_bytes=1 << 20)
     tx = net.tx(kind)
-    good = _msg("t", 1)
+    good = state_msg("t", 1)
     with pytest.raises(TransferError, match="tensor frames for"):
         tx.send(rx.address, good[:-1])
     with pytest.raises(TransferError, match="frame has"):
@@ -293,15 +100,15 @@ def test_sender_checks_messages_before_sending(net, kind):
     with pytest.raises(TransferError, match="exceed 1048576"):   # the receiver's announced limit
         tx.send(rx.address, encode_state("t-huge", FP, 1, 1, {"x": torch.zeros(1 << 19)}))
     tx.send(rx.address, good)
-    assert len(_recv_n(rx, 1)) == 1 and rx.stats["dropped_malformed"] == 0
+    assert len(recv_n(rx, 1)) == 1 and rx.stats["dropped_malformed"] == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_reply_and_poll_replies_round_trip(net, kind):
     rx, tx = net.rx(kind), net.tx(kind)
     assert tx.poll_replies() == []
-    tx.send(rx.address, _msg("t-1", 1))
-    (peer, _), = _recv_n(rx, 1)
+    tx.send(rx.address, state_msg("t-1", 1))
+    (peer, _), = recv_n(rx, 1)
     ack = {"op": "ack", "transfer_id": "t-1", "n": [1, 2], "blob": b"\x00\x01"}
     rx.reply(peer, ack)
     assert tx.poll_replies(timeout_s=5) == [(rx.address, ack)]
@@ -334,13 +141,13 @@ def test_two_senders_into_one_receiver(net, kind):
 
     def push(tx, c):
         for i in range(n):
-            tx.send(rx.address, _msg(f"{c}{i}", i % 3, big=400_000 if i % 10 == 0 else 0))
+            tx.send(rx.address, state_msg(f"{c}{i}", i % 3, big=400_000 if i % 10 == 0 else 0))
     threads = [threading.Thread(target=push, args=(tx, c)) for tx, c in zip(txs, "ab")]
     [t.start() for t in threads]
-    got = _recv_n(rx, 2 * n)
+    got = recv_n(rx, 2 * n)
     [t.join() for t in threads]
     for c in "ab":
-        assert [_tid(f) for p, f in got if p == f"prefill-{c}"] == [f"{c}{i}" for i in range(n)]
+        assert [tid_of(f) for p, f in got if p == f"prefill-{c}"] == [f"{c}{i}" for i in range(n)]
     assert rx.stats["peers"] == 2
     for c in "ab":
         rx.reply(f"prefill-{c}", {"op": "ack", "to": c})
@@ -350,19 +157,19 @@ def test_two_senders_into_one_receiver(net, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_close_releases_the_address(net, kind, tmp_path):
-    kw = {"port": _free_port()}
+    kw = {"port": free_port()}
     if kind == "dist":
-        kw["store_port"] = _free_port()
+        kw["store_port"] = free_port()
     if kind == "zmq-ipc":
         kw["ipc_path"] = str(tmp_path / "rx.sock")
     for round_ in range(2):
         rx = make_receiver(kind, "127.0.0.1", fingerprint=FP, layout=LAYOUT, **kw)
         tx = make_sender(kind, FP, LAYOUT, f"p{round_}")
         try:
-            tx.send(rx.address, _msg(f"t{round_}", round_, big=round_ * 600_000))
+            tx.send(rx.address, state_msg(f"t{round_}", round_, big=round_ * 600_000))
             tx.close()                      # says bye: the message under way still arrives
-            (_, frames), = _recv_n(rx, 1)
-            assert _tid(frames) == f"t{round_}"
+            (_, frames), = recv_n(rx, 1)
+            assert tid_of(frames) == f"t{round_}"
             deadline = time.monotonic() + 5
             while rx.stats["peers"] and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -379,20 +186,20 @@ def test_close_releases_the_address(net, kind, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_sender_survives_a_receiver_restart(net, kind, tmp_path):
-    kw = {"port": _free_port()}
+    kw = {"port": free_port()}
     if kind == "dist":
-        kw["store_port"] = _free_port()
+        kw["store_port"] = free_port()
     if kind == "zmq-ipc":
         kw["ipc_path"] = str(tmp_path / "rx.sock")
     rx1 = net.rx(kind, **kw)
     tx = net.tx(kind)
-    tx.send(rx1.address, _msg("t0", 0))
-    _recv_n(rx1, 1)
+    tx.send(rx1.address, state_msg("t0", 0))
+    recv_n(rx1, 1)
     rx1.close()
     rx2 = net.rx(kind, **kw)
     assert rx2.address == rx1.address
     try:   # the old connection is gone: either the send fails, or the new receiver rejects it
-        tx.send(rx2.address, _msg("t-lost", 1))
+        tx.send(rx2.address, state_msg("t-lost", 1))
     except TransportError:
         pass
     else:
@@ -400,9 +207,9 @@ def test_sender_survives_a_receiver_restart(net, kind, tmp_path):
         while not got and time.monotonic() < deadline:
             got = tx.poll_replies(timeout_s=0.5)
         assert got and got[0][1]["op"] == REJECT_OP and got[0][1]["transfer_id"] == "t-lost"
-    tx.send(rx2.address, _msg("t2", 2))   # handshakes again
-    (_, frames), = _recv_n(rx2, 1)
-    assert _tid(frames) == "t2"
+    tx.send(rx2.address, state_msg("t2", 2))   # handshakes again
+    (_, frames), = recv_n(rx2, 1)
+    assert tid_of(frames) == "t2"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -410,22 +217,22 @@ def test_receiver_stops_reading_while_the_decode_loop_is_behind(net, kind):
     rx = net.rx(kind, max_pending_bytes=1)
     tx = net.tx(kind)
     n = 8
-    th = threading.Thread(target=lambda: [tx.send(rx.address, _msg(f"t{i}", i)) for i in range(n)])
+    th = threading.Thread(target=lambda: [tx.send(rx.address, state_msg(f"t{i}", i)) for i in range(n)])
     th.start()
     time.sleep(0.5)
     assert rx.stats["messages"] == 1          # one delivered, then the socket is not read
-    got = _recv_n(rx, n)
+    got = recv_n(rx, n)
     th.join(10)
-    assert [_tid(f) for _, f in got] == [f"t{i}" for i in range(n)]
+    assert [tid_of(f) for _, f in got] == [f"t{i}" for i in range(n)]
 
 
 def test_dist_control_can_run_over_ipc(net, tmp_path):
     rx = net.rx("dist", ipc_path=str(tmp_path / "ctl.sock"))
     assert rx.address == f"dist+ipc://{tmp_path / 'ctl.sock'}"
     tx = net.tx("dist")
-    m = _msg("t-ipc", 5, big=600_000)
+    m = state_msg("t-ipc", 5, big=600_000)
     tx.send(rx.address, m)
-    (_, frames), = _recv_n(rx, 1)
+    (_, frames), = recv_n(rx, 1)
     assert [bytes(f) for f in frames] == [bytes(f) for f in m]
 
 
@@ -439,10 +246,10 @@ _CHILD = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[4])
 from kvtransfer import make_sender
-from tests.test_transport import FP, LAYOUT, _msg
+from tests.transport.common import FP, LAYOUT, state_msg
 kind, dest, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tx = make_sender(kind, FP, LAYOUT, "child-prefill")
-total = sum(tx.send(dest, _msg(f"c{i}", i, big=300_000 * (i % 2))) for i in range(n))
+total = sum(tx.send(dest, state_msg(f"c{i}", i, big=300_000 * (i % 2))) for i in range(n))
 replies, deadline = [], time.monotonic() + 30
 while not replies and time.monotonic() < deadline:
     replies = tx.poll_replies(timeout_s=0.5)
@@ -459,11 +266,11 @@ def test_sender_in_another_process(net, kind):
     p = subprocess.Popen([sys.executable, "-c", _CHILD, kind, rx.address, str(n), str(REPO)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        got = _recv_n(rx, n, timeout=60)
+        got = recv_n(rx, n, timeout=60)
         for i, (peer, frames) in enumerate(got):
             assert peer == "child-prefill"
             h, tensors = decode_state(frames, FP)
-            assert h["transfer_id"] == f"c{i}" and _same_tensors(tensors, _tensors(i, 300_000 * (i % 2)))
+            assert h["transfer_id"] == f"c{i}" and same_tensors(tensors, sample_tensors(i, 300_000 * (i % 2)))
         rx.reply("child-prefill", {"op": "done"})
         out, err = p.communicate(timeout=60)
     finally:
@@ -479,24 +286,24 @@ def test_destination_names_its_receiver_so_a_restarted_one_is_refused(net, kind)
     """``ADDR#RECEIVER_ID``: delivered only to that receiver; another process at the same endpoint
     (a restarted decode) is refused at handshake, and the old connection is dropped. (The check is
     the ZMQ sender's handshake, which the dist sender shares; dist's broken gloo pair takes ~20 s.)"""
-    port = _free_port()
+    port = free_port()
     old = net.rx(kind, port=port, receiver_id="decode-old")
     tx = net.tx(kind)
-    tx.send(f"{old.address}#decode-old", encode_state("t-1", FP, 3, 0, _tensors(1)))
+    tx.send(f"{old.address}#decode-old", encode_state("t-1", FP, 3, 0, sample_tensors(1)))
     assert [len(f) for _, f in old.recv(10.0)]
     old.close()
     time.sleep(0.2)
     new = net.rx(kind, port=port, receiver_id="decode-new")
     try:                                         # the old connection: refused (reject) or broken
-        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, _tensors(2)))
+        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, sample_tensors(2)))
     except TransportError:
         pass
     assert new.recv(0.5) == []                   # nothing from the old reservation landed
     tx.poll_replies(0.5)
     with pytest.raises(TransportError, match="restarted"):   # a new handshake names the other receiver
-        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, _tensors(2)))
+        tx.send(f"{new.address}#decode-old", encode_state("t-2", FP, 3, 0, sample_tensors(2)))
     assert new.recv(0.3) == []
-    tx.send(f"{new.address}#decode-new", encode_state("t-3", FP, 3, 0, _tensors(3)))
+    tx.send(f"{new.address}#decode-new", encode_state("t-3", FP, 3, 0, sample_tensors(3)))
     assert [len(f) for _, f in new.recv(10.0)]
 
 
@@ -505,16 +312,16 @@ def test_pusher_lanes_keep_a_dead_destination_from_stalling_the_others(net):
     live receiver is acked meanwhile; the dead one fails on its own (handshake timeout)."""
     from kvtransfer.sender import Pusher
     live = net.rx("zmq-tcp")
-    dead_port = _free_port()
+    dead_port = free_port()
     black_hole = socket.socket()                 # accepts TCP, never speaks ZMTP
     black_hole.bind(("127.0.0.1", dead_port))
     black_hole.listen(8)
     pusher = Pusher(lambda: make_sender("zmq-tcp", FP, LAYOUT, "prefill-lanes"), ack_timeout_s=30)
     try:
-        pusher.put("state", "to-dead", f"tcp://127.0.0.1:{dead_port}", encode_state("to-dead", FP, 3, 0, _tensors(1)))
+        pusher.put("state", "to-dead", f"tcp://127.0.0.1:{dead_port}", encode_state("to-dead", FP, 3, 0, sample_tensors(1)))
         time.sleep(0.2)                          # the dead lane is now blocked in its handshake
         t0 = time.monotonic()
-        pusher.put("state", "to-live", live.address, encode_state("to-live", FP, 3, 0, _tensors(2)))
+        pusher.put("state", "to-live", live.address, encode_state("to-live", FP, 3, 0, sample_tensors(2)))
         got = []
         while not got and time.monotonic() - t0 < 8:
             for peer, frames in live.recv(0.05):
@@ -548,13 +355,13 @@ def test_receiver_notifies_on_each_delivery(net, kind):
     tx = net.tx(kind)
     for i in (1, 2):
         woken.clear()
-        tx.send(rx.address, _msg(f"n-{i}", i))
+        tx.send(rx.address, state_msg(f"n-{i}", i))
         assert woken.wait(20)
         assert len(rx.recv(0.0)) == 1 and len(calls) == i
     assert threading.current_thread().name not in calls
     rx.set_notify(None)
-    tx.send(rx.address, _msg("n-3", 3))
-    assert _recv_n(rx, 1) and len(calls) == 2
+    tx.send(rx.address, state_msg("n-3", 3))
+    assert recv_n(rx, 1) and len(calls) == 2
 
 
 def test_pusher_notifies_each_result(net):
@@ -566,14 +373,14 @@ def test_pusher_notifies_each_result(net):
     pusher = Pusher(lambda: make_sender("zmq-tcp", FP, LAYOUT, "prefill-notify"), ack_timeout_s=30,
                     notify=woken.set)
     try:
-        pusher.put("state", "p-1", rx.address, encode_state("p-1", FP, 3, 0, _tensors(1)))
-        peer, _ = _recv_n(rx, 1)[0]
+        pusher.put("state", "p-1", rx.address, encode_state("p-1", FP, 3, 0, sample_tensors(1)))
+        peer, _ = recv_n(rx, 1)[0]
         assert not woken.is_set() and pusher.results() == []
         rx.reply(peer, {"op": "ack", "transfer_id": "p-1"})
         assert woken.wait(10)
         assert [r.kind for r in pusher.results()] == ["acked"]
         woken.clear()
-        pusher.put("state", "p-2", "garbage", encode_state("p-2", FP, 3, 0, _tensors(2)))   # fails at once
+        pusher.put("state", "p-2", "garbage", encode_state("p-2", FP, 3, 0, sample_tensors(2)))   # fails at once
         assert woken.wait(10)
         assert [(r.transfer_id, r.kind) for r in pusher.results()] == [("p-2", "failed")]
     finally:
