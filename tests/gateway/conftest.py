@@ -37,7 +37,7 @@ def stack(tiny_ckpt):
                            "messages")
     assert chat_ids[-2:] == [128804, 128822] and think_ids[-2:] == [128804, 128821]   # </think> vs <think>
     cmpl_ids = tok.encode(COMPLETION_PROMPT, add_bos=True)
-    gen = engine.tools.generate
+    gen = engine.generate
     ref = {
         "chat": gen([chat_ids], _greedy(12))[0].output_ids,
         "think": gen([think_ids], _greedy(6))[0].output_ids,
