@@ -1,7 +1,7 @@
 """Bad input to the gateway: each case an OpenAI-shaped 4xx naming the field, never a 5xx, and the
 next valid request is served.
 
-A real uvicorn server over ``LocalBackend`` and the tiny engine (as in test_gateway.py), raw bodies
+A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/gateway/), raw bodies
 posted with httpx. The app runs with ``max_body_bytes=LIMIT`` (1 MiB) so the oversize cases stay
 cheap; the 32 MiB default is checked on the signature. Limits the cases rely on (documented in
 ``server.gateway.protocol``): context 4096 tokens (configs/tiny-flash.yaml), n <= 128 choices, temperature

@@ -40,7 +40,7 @@ def _model(pd) -> str:
 
 def _reference_ids(engine, prompt, max_tokens, temperature, seed, **kw):
     p = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, **kw)
-    return engine.tools.generate([prompt], p)[0].output_ids
+    return engine.generate([prompt], p)[0].output_ids
 
 
 def _stream_ids(stream) -> tuple[list[int], list[int] | None, str]:

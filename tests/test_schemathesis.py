@@ -1,6 +1,6 @@
 """Schemathesis against the gateway's own OpenAPI schema: no 5xx, and the server keeps serving.
 
-A real uvicorn server over ``LocalBackend`` and the tiny engine (as in test_gateway.py); the schema
+A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/gateway/); the schema
 is the app's ``/openapi.json``. Each operation gets Hypothesis examples from schemathesis's
 strategies (``APIOperation.as_strategy``), schema-valid (positive) and schema-violating (negative)
 mixed, derandomised so CI sees the same bodies every run. Bodies that would be served are kept
