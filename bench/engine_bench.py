@@ -46,7 +46,7 @@ from bench.engine_measure import (attribute, breakdown, decode_vs_batch, decode_
                                   labelled_model, prefill, synthetic_paged)
 from bench.engine_report import (batch_table, breakdown_table, context_table, hf_table, plot, prefill_table)
 
-__all__ = ["main", "parse_args", "attribute", "synthetic_paged"]   # the last two: for tests/test_bench_engine.py
+__all__ = ["main", "parse_args", "attribute", "synthetic_paged"]   # the last two: for tests/bench/test_bench_engine.py
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CKPT = ROOT / "models" / "tiny-flash"

@@ -12,7 +12,7 @@ Safety:
 * an interrupted run (Ctrl-C, kill) leaves the partial directory and its ``convert_state.json``;
   the same command resumes after the last finished shard;
 * memory: input tensors are read one at a time and one output shard is held, so the peak is about
-  two shards (``tests/convert/test_robustness.py`` measures it).
+  two shards (``tests/engine/checkpoint/convert/test_robustness.py`` measures it).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ per step (``DecodeRows``, the model's per-step decode context: ``PagedSequenceSt
 builds it, ``Attention.forward`` calls its ``attend``), and each layer gathers, updates and
 attends for all rows at once.
 
-Every row's result is bit-identical to the per-sequence path (``tests/test_batched_decode.py``):
+Every row's result is bit-identical to the per-sequence path (``tests/engine/test_batched_decode.py``):
 the same calls on the same per-row shapes (the per-row products go through ``reference.row_scores``
 / ``row_mix``, batched matmuls of a fixed number of rows whatever the batch; row-wise ops do not
 mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA before its first entry)

@@ -2,7 +2,7 @@
 asks for more than one), the gateway, or all three as local child processes.
 
 The gateway's imports stay inside ``run_gateway`` and are torch-free: the gateway process never
-loads torch (tests/test_gateway_no_torch.py checks the live process).
+loads torch (tests/server/test_gateway_no_torch.py checks the live process).
 """
 from __future__ import annotations
 

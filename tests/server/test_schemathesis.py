@@ -1,6 +1,6 @@
 """Schemathesis against the gateway's own OpenAPI schema: no 5xx, and the server keeps serving.
 
-A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/gateway/); the schema
+A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/server/gateway/); the schema
 is the app's ``/openapi.json``. Each operation gets Hypothesis examples from schemathesis's
 strategies (``APIOperation.as_strategy``), schema-valid (positive) and schema-violating (negative)
 mixed, derandomised so CI sees the same bodies every run. Bodies that would be served are kept
@@ -27,7 +27,7 @@ from server.backends.local import LocalBackend  # noqa: E402
 from server.gateway.app import create_app  # noqa: E402
 from serve_util import serve_app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-dsv4"
 MAX_TOKENS = 3
 EXAMPLES = 100

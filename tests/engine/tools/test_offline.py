@@ -16,7 +16,7 @@ from engine.tokenizer import Tokenizer
 from engine.tools.dataset import build_prompt, load_dataset
 from engine.tools.offline import chat_encoding, encode_sample
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "data" / "infinitebench_sample.jsonl"
 
 

@@ -15,7 +15,7 @@ from kvtransfer.interfaces import TAG_CTL
 from kvtransfer.wire import encode_state, model_fingerprint
 
 KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 FP = model_fingerprint({"name": "tiny-transport"}, torch.bfloat16, {"block_size": 16})
 LAYOUT = {"kv_dtype": "bfloat16", "block_size": 16, "parallel": {"tp": 1, "dp": 1}}
 

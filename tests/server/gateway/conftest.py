@@ -18,7 +18,7 @@ from serve_util import serve_app
 
 from .common import COMPLETION_PROMPT, HELLO, MODEL
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _greedy(n):

@@ -20,7 +20,7 @@ import engine.ops.npu.runtime as npu_runtime
 import engine.ops.reference as R
 from engine.ops import IMPLS, OP_NAMES, REFERENCE, Ops, ops_for, validate_kernel_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 KEY = "model_config.custom_params.kernel_config"
 

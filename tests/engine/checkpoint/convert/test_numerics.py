@@ -28,7 +28,7 @@ from .common import _link_copy
 # why. Measured (seed 1): w8a8-int 0.011, w4a8-mx 0.024, w4a8-int 0.042, w4a8-mx-hif 0.042.
 BOUNDS = {
     # int8 per channel / per token: ~0.7% rounding per GEMM operand; the logits move as much as
-    # bf16 compute moves them, so bf16's bound (tests/test_bf16.py) applies
+    # bf16 compute moves them, so bf16's bound (tests/engine/test_bf16.py) applies
     "w8a8-int": 0.02,
     # the MX grids hold the original FP8 / MXFP4 values exactly; MXFP8 activations (3 mantissa
     # bits, 2.6% per operand) on every linear are the whole error

@@ -18,7 +18,7 @@ from bench.serve_metrics import (RequestRecord, format_summary, max_concurrency,
 from server.launch.local import free_port
 from tests.pd_util import start_pd
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

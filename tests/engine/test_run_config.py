@@ -8,7 +8,7 @@ from engine.checkpoint.make_tiny import PRESETS
 from engine.config import ConfigError, ModelArgs
 from engine.run_config import CustomParams, ModelConfig, ParallelConfig, RunConfig, SchedulerConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
 # reference/upstream-baseline.md §5.1 (cann-recipes-infer executor/core/config/inference_config.py)

@@ -145,7 +145,7 @@ def test_conversion_peak_memory_is_about_two_shards(tmp_path):
     write_shards(make_tensors(ModelArgs.from_dict(raw), 0), src, 8 << 20)
     (src / "config.json").write_text(json.dumps(raw))
     r = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(src), str(out)], capture_output=True, text=True,
-                       timeout=600, cwd=Path(__file__).parent.parent.parent)
+                       timeout=600, cwd=Path(__file__).resolve().parents[4])
     assert r.returncode == 0, r.stderr
     growth = json.loads(r.stdout.strip().splitlines()[-1])["growth"]
     shard_in = max(p.stat().st_size for p in src.glob("*.safetensors"))

@@ -65,7 +65,7 @@ def _one_thread():
 def greedy(request, reference, recipe, ckpt):
     """greedy(prompt ids, n) -> the in-process engine's greedy output ids. Every case of the requesting
     module (its ``greedy_cases(recipe, bos_id)``) runs in one batched ``generate`` up front (the
-    engine's output does not depend on the batch: tests/test_batched_decode.py); any other is run alone
+    engine's output does not depend on the batch: tests/engine/test_batched_decode.py); any other is run alone
     when asked. Each case is chosen so the random model does not end by itself (n ids: the sample ends
     by length)."""
     cache: dict = {}

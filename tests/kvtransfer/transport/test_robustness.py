@@ -246,7 +246,7 @@ _CHILD = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[4])
 from kvtransfer import make_sender
-from tests.transport.common import FP, LAYOUT, state_msg
+from tests.kvtransfer.transport.common import FP, LAYOUT, state_msg
 kind, dest, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tx = make_sender(kind, FP, LAYOUT, "child-prefill")
 total = sum(tx.send(dest, state_msg(f"c{i}", i, big=300_000 * (i % 2))) for i in range(n))

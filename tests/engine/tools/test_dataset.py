@@ -7,7 +7,7 @@ import pytest
 from engine.tools.dataset import (DatasetError, Sample, build_prompt, load_dataset, truncate_middle,
                                   write_sample_infinitebench)
 
-SHIPPED = Path(__file__).resolve().parents[1] / "data" / "infinitebench_sample.jsonl"
+SHIPPED = Path(__file__).resolve().parents[3] / "data" / "infinitebench_sample.jsonl"
 GOOD = {"id": 0, "context": "A book.", "input": "What?", "answer": ["this"], "options": []}
 
 

@@ -17,7 +17,7 @@ from engine.tokenizer import Tokenizer
 from engine.checkpoint.make_tiny import copy_tokenizer
 from server.backends.base import GenRequest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from bench.engine_bench import attribute, main as bench_main, synthetic_paged
 from engine.checkpoint.loader import load_model
 from engine.config import ModelArgs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

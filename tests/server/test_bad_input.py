@@ -1,7 +1,7 @@
 """Bad input to the gateway: each case an OpenAI-shaped 4xx naming the field, never a 5xx, and the
 next valid request is served.
 
-A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/gateway/), raw bodies
+A real uvicorn server over ``LocalBackend`` and the tiny engine (as in tests/server/gateway/), raw bodies
 posted with httpx. The app runs with ``max_body_bytes=LIMIT`` (1 MiB) so the oversize cases stay
 cheap; the 32 MiB default is checked on the signature. Limits the cases rely on (documented in
 ``server.gateway.protocol``): context 4096 tokens (configs/tiny-flash.yaml), n <= 128 choices, temperature
@@ -28,7 +28,7 @@ from server.gateway.app import create_app
 from server.gateway.body_limit import BodyLimit
 from serve_util import serve_app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-dsv4"
 LIMIT = 1 << 20
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
