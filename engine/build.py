@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, ModelArgs
+from engine.core.executor import ExecutorFactory
 from engine.core.llm_engine import LLMEngine
 from engine.ops import ops_for
 from engine.platform import detect
@@ -82,7 +83,8 @@ def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> Non
 
 
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
-                 progress: bool = True, graph: bool = True, rank: int = 0) -> LLMEngine:
+                 progress: bool = True, graph: bool = True, rank: int = 0,
+                 executor: ExecutorFactory | None = None) -> LLMEngine:
     """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
     from ``scheduler_config``; with a graph ``exe_mode`` (and ``graph``: False for a prefill-only
     worker, which always runs eager) compile / capture the decode step now.
@@ -90,6 +92,9 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     ``device``: a spec for ``engine.platform.detect`` ("cpu", "cuda:0", "npu:0", "auto").
     ``rank``: with ``parallel_config.world_size`` > 1, this process's rank; torch.distributed must
     be initialised: the model is sharded for it (``engine.parallel.shard.apply_parallel``).
+    ``executor``: the engine's executor (``LLMEngine``'s; None: this process only). A multi-rank
+    instance passes its rank's (``server.launch.rank_worker``: ``engine.parallel.executor``'s
+    ``LeaderExecutor`` on rank 0, ``RankExecutor`` on the others).
     Raises:
         ConfigError: no model path, a checkpoint / config combination the run config forbids, or
             state pools too small for ``max_model_len``. CheckpointError: unreadable checkpoint.
@@ -118,7 +123,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
                        ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
-    engine = _size(cfg, model, path)
+    engine = _size(cfg, model, path, executor)
     if graph and ex.graph:
         engine.runner = DecodeRunner(model, engine.cache, engine.limits.max_model_len, engine.limits.batch_size,
                                      plat, ex)
@@ -135,7 +140,7 @@ def _check_ranks(cfg: RunConfig) -> None:
                           f"processes (launch-pd --role prefill|decode starts them); this process has {have}")
 
 
-def _size(cfg: RunConfig, model, path: Path) -> LLMEngine:
+def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -> LLMEngine:
     s = cfg.scheduler_config
     max_len = cfg.max_model_len_for(model.args) if s.max_model_len is not None else None
     try:
@@ -143,7 +148,7 @@ def _size(cfg: RunConfig, model, path: Path) -> LLMEngine:
                                max_prefill_tokens=cfg.effective_max_prefill_tokens, max_model_len=max_len,
                                mem_fraction_static=s.mem_fraction_static, cpu_memory_bytes=s.cpu_memory_bytes,
                                num_kv_blocks=s.num_kv_blocks, num_reserved_decode_tokens=s.num_reserved_decode_tokens,
-                               eos_ids=eos_token_ids(path, model.args))
+                               eos_ids=eos_token_ids(path, model.args), executor=executor)
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("scheduler_config") else f"scheduler_config: {e}") from None
     except (RuntimeError, MemoryError) as e:    # a pool larger than the machine (e.g. num_kv_blocks)

@@ -9,13 +9,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
+from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
-from engine.core.pd_state import load_state_tensors, state_tensors
+from engine.core.pd_state import state_tensors
 from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
 from engine.core.sampler import sample
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
@@ -50,20 +52,25 @@ class LLMEngine:
         cache_config: pool sizes (``plan_cache`` or explicit, e.g. in tests).
         limits: scheduler limits. ``max_model_len`` must fit one request in the pools.
         eos_ids: token ids that end a sample unless ``ignore_eos``.
+        executor: (model, pools) -> the executor every pool change and model call goes through
+            (``engine.core.executor``; None: ``Executor``); ``limits.batch_size`` is per DP rank.
     Raises:
         ValueError: the pools cannot hold one ``max_model_len`` request.
     """
 
     def __init__(self, model: Transformer, cache_config: CacheConfig, limits: SchedulerLimits,
-                 eos_ids: tuple[int, ...] = ()):
-        self.model, self.limits, self.eos_ids = model, limits, frozenset(eos_ids)
-        self.cache = PagedCache(model.args, cache_config, model.dtype, model.embed.weight.device)
+                 eos_ids: tuple[int, ...] = (), executor: ExecutorFactory | None = None):
+        self.model, self.eos_ids = model, frozenset(eos_ids)
+        self.executor = (executor or Executor)(model, PagedCache(model.args, cache_config, model.dtype,
+                                                                 model.embed.weight.device))
+        self.cache = self.executor.cache
+        self.limits = replace(limits, batch_size=limits.batch_size * self.executor.dp_size)
         cap = self.max_tokens_per_request()
         if limits.max_model_len > cap:
             raise ValueError(f"scheduler_config.max_model_len: {limits.max_model_len} tokens do not fit the state "
                              f"pools, which hold {cap} tokens per request; lower max_model_len or raise "
                              f"mem_fraction_static / cpu_memory_gb / num_kv_blocks")
-        self.scheduler = Scheduler(self.cache, limits)
+        self.scheduler = Scheduler(self.cache, self.limits, self.executor)
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}      # finished, state kept for export (prefill role)
         self.reserved: dict[str, Sequence] = {}  # decode role: state slots taken, state not yet loaded
@@ -78,8 +85,8 @@ class LLMEngine:
     @classmethod
     def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
-              cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None,
-              num_reserved_decode_tokens: int = 64, eos_ids: tuple[int, ...] | None = None) -> "LLMEngine":
+              cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None, num_reserved_decode_tokens: int = 64,
+              eos_ids: tuple[int, ...] | None = None, executor: ExecutorFactory | None = None) -> "LLMEngine":
         """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine.
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
@@ -89,7 +96,7 @@ class LLMEngine:
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
-        return cls(model, cfg, limits, (a.eos_token_id,) if eos_ids is None else eos_ids)
+        return cls(model, cfg, limits, (a.eos_token_id,) if eos_ids is None else eos_ids, executor)
 
     def max_tokens_per_request(self) -> int:
         """Longest request (tokens) the pools can hold on their own."""
@@ -147,7 +154,7 @@ class LLMEngine:
         """Free a held request's state. False if it holds none."""
         if self.held.pop(request_id, None) is None:
             return False
-        self.cache.free(request_id)
+        self.executor.free(request_id)
         return True
 
     def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -167,7 +174,7 @@ class LLMEngine:
         if len(self.scheduler.running) + len(self.reserved) >= self.limits.batch_size:
             raise CacheFullError(f"batch full: {self.limits.batch_size} requests running or reserved")
         L = len(prompt_ids)
-        self.cache.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
+        self.executor.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
         self.reserved[request_id] = Sequence(request_id, list(prompt_ids), params, num_computed=L)
         self.scheduler.num_reserved = len(self.reserved)
 
@@ -180,7 +187,7 @@ class LLMEngine:
         """
         seq = self.reserved[request_id]
         try:
-            load_state_tensors(self.cache, request_id, len(seq.prompt_ids), tensors, layers)
+            self.executor.load_state(request_id, len(seq.prompt_ids), tensors, layers)
         except ValueError as e:
             raise RequestError(f"state: {e}") from None
 
@@ -207,7 +214,7 @@ class LLMEngine:
         if self.reserved.pop(request_id, None) is None:
             return False
         self.scheduler.num_reserved = len(self.reserved)
-        self.cache.free(request_id)
+        self.executor.free(request_id)
         return True
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, params: SamplingParams,
@@ -274,8 +281,7 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch) -> list[RequestOutput]:
-        m = self.model
-        dev = m.embed.weight.device
+        dev = self.model.embed.weight.device
         ids = [t for s, n in zip(batch.seqs, batch.num_tokens) for t in s.pending_ids(n)]
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
         hook = None
@@ -303,7 +309,7 @@ class LLMEngine:
         if not rows:
             return []
         try:
-            logits = m.logits(hidden[torch.tensor(last, device=dev)])
+            logits = self.executor.logits(hidden[torch.tensor(last, device=dev)])
             t = time.perf_counter()
             sampled = sample(logits, [SampleRow(s.params, s.num_tokens, s.prompt_ids, s.output_ids) for s in rows])
             self.stats.sample_s += time.perf_counter() - t
@@ -334,20 +340,16 @@ class LLMEngine:
         one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if r is not None and hook is None else []
         if not one:
             states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
-            return m.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
-        offs = [0]
-        for n in batch.num_tokens:
-            offs.append(offs[-1] + n)
+            return self.executor.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
+        offs = [0, *accumulate(batch.num_tokens)]
         hidden = torch.empty(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
         rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
         if rest:
             idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
             states = [self.cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in rest]
-            hidden[idx] = m.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
-        rows = []
-        for i in one:
-            s, held = batch.seqs[i], self.cache.seqs[batch.seqs[i].seq_id]
-            rows.append((ids[offs[i]], s.num_computed, held.state_slot, held.tables))
+            hidden[idx] = self.executor.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
+        held = [self.cache.seqs[batch.seqs[i].seq_id] for i in one]
+        rows = [(ids[offs[i]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(one, held)]
         hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = r.run(rows)
         return hidden
 

@@ -51,10 +51,16 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the waiting queue (arrival order) and the running set, and their cache holdings."""
+    """Owns the waiting queue (arrival order) and the running set, and their cache holdings.
 
-    def __init__(self, cache: BlockManager, limits: SchedulerLimits):
+    ``cache`` answers what fits (``can_allocate``, ``rank_of``); holdings change through
+    ``executor`` (``engine.core.executor.Executor``: a multi-rank one repeats them on every rank),
+    or, without one, on ``cache`` itself.
+    """
+
+    def __init__(self, cache: BlockManager, limits: SchedulerLimits, executor=None):
         self.cache, self.limits = cache, limits
+        self.blocks = cache if executor is None else executor     # allocate / free go here
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -97,7 +103,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                self.cache.allocate(seq.seq_id, seq.num_tokens)
+                self.blocks.allocate(seq.seq_id, seq.num_tokens)
                 batch.seqs.append(seq)
                 batch.num_tokens.append(1)
         # 2. prefill chunks of running requests
@@ -117,7 +123,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.cache.can_allocate(seq.seq_id, self._target(seq)):
                 break
-            self.cache.allocate(seq.seq_id, self._target(seq))
+            self.blocks.allocate(seq.seq_id, self._target(seq))
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             if seq.scheduled_time is None:
@@ -131,7 +137,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s state and re-queue it; it recomputes prompt + output on readmission."""
-        self.cache.free(seq.seq_id)
+        self.blocks.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
@@ -147,6 +153,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if not keep_state:
-            self.cache.free(seq.seq_id)
+            self.blocks.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -134,9 +134,15 @@ class Attention(nn.Module):
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
         return self.out_proj(o)
 
+    # o_proj tensor parallelism (``engine.parallel.shard.OProjTP``): (attention, o) -> ``[T, H]``
+    # from this rank's groups, the ranks' partial sums joined; None: every group here
+    o_proj_tp = None
+
     def out_proj(self, o: torch.Tensor) -> torch.Tensor:
-        """Grouped output projection (§3.3 step 8): o ``[T, h, d]`` -> ``[T, H]``. A seam:
-        ``engine.parallel.shard`` replaces it per instance under o_proj TP."""
+        """Grouped output projection (§3.3 step 8): o ``[T, h, d]`` -> ``[T, H]``; under o_proj TP
+        through ``o_proj_tp``."""
+        if self.o_proj_tp is not None:
+            return self.o_proj_tp(self, o)
         o = o.reshape(o.shape[0], self.n_groups, self.n_heads * self.head_dim // self.n_groups)
         o = self.ops.grouped_linear(self.wo_a.quant_input(o), self.wo_a.weight)
         return self.wo_b(o.flatten(1))

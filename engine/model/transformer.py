@@ -202,14 +202,25 @@ class Transformer(nn.Module):
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return self.norm(h).to(self.dtype)
 
+    # embedding / LM-head tensor parallelism (``engine.parallel.shard.EmbedTP`` / ``LMHeadTP``):
+    # (model, x) -> what ``embed_tokens`` / ``logits`` return, from this rank's vocab slice with
+    # the ranks' parts joined; None: the whole vocabulary here
+    embed_tp = None
+    lmhead_tp = None
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``[T]`` int64 -> embeddings ``[T, H]``, compute dtype. A seam: ``engine.parallel.shard``
-        replaces it per instance under embedding TP."""
+        """tokens ``[T]`` int64 -> embeddings ``[T, H]``, compute dtype (under embedding TP
+        through ``embed_tp``)."""
+        if self.embed_tp is not None:
+            return self.embed_tp(self, tokens)
         return F.embedding(tokens, self.embed.weight)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[T, H]`` -> logits ``[T, V]`` fp32 (fp32 products of the compute-dtype hidden)."""
+        """hidden ``[T, H]`` -> logits ``[T, V]`` fp32 (fp32 products of the compute-dtype hidden;
+        under LM-head TP through ``lmhead_tp``)."""
+        if self.lmhead_tp is not None:
+            return self.lmhead_tp(self, hidden)
         h = self.head
         if h.fmt is not None:                      # a converted checkpoint keeping the head packed
             return h(hidden.float())

@@ -6,7 +6,7 @@ schedules all of them through ``DPCache``: rank 0's real ``PagedCache`` plus, fo
 a ``BlockManager`` (the same accounting, no tensors). A request gets an
 owner at its first allocation (the rank with the most free request slots that fits it, lowest rank
 on ties) and keeps it until freed. The followers replay only their own ranks' calls
-(``engine.parallel.mirror``), so each rank's block tables equal the leader's accounting of it.
+(``engine.parallel.executor``), so each rank's block tables equal the leader's accounting of it.
 """
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
 """Shard a DeepSeek-V4 model over ranks (loaded, or before loading) and install its collective forwards.
 
+Each block's ``ffn`` is replaced by a ``ParallelMoE`` built from the original's modules (its shared
+expert by a ``ParallelSharedMLP``), so ``type(model.layers[i].ffn)`` says what runs; the
+embedding, the LM head and o_proj are set on the model's documented TP fields
+(``Transformer.embed_tp`` / ``lmhead_tp``, ``Attention.o_proj_tp``), which its forward calls.
+
 Source: reference/upstream-parallel-and-mtp.md "Parallel strategy" (decode: attention DP, MoE EP,
 LM-head TP, o_a_proj TP with DP->TP all_to_all and reduce-scatter back). Rank layout and row modes:
 ``engine.parallel.context``; the collectives: ``engine.parallel.comm``. What each part does, with
@@ -35,8 +40,6 @@ which runs every layer on zero rows) and, when the step samples, ``model.logits`
 ``[0, H]`` result. The graph-captured decode (``engine.core.static_decode``) is not parallel.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -82,7 +85,7 @@ def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> Paralle
                          f"{pc.world_size} and rank {rank}")
     ctx = ParallelContext(rank, pc.world_size, pc, _groups(pc, rank))
     for blk in [*model.layers, *model.mtp]:
-        _shard_moe(blk.ffn, ctx)
+        blk.ffn = _shard_moe(blk.ffn, ctx)
         if pc.o_proj_tp_size > 1:
             _shard_o_proj(blk.attn, ctx)
     if pc.embed_tp_size > 1:
@@ -181,12 +184,18 @@ def _vocab_slice(V: int, g: GroupInfo) -> tuple[int, int, int]:
 
 
 # ---- MoE: routed experts (EP x MoE-TP) and the shared expert -------------------------------
-class ParallelMoE(MoE):
-    """``MoE`` whose routed experts are this rank's EP / MoE-TP shard (installed on an MoE
-    by class swap: parameter names, ``configure`` and the gate stay as they are)."""
+class ParallelMoE(nn.Module):
+    """An ``MoE`` over the ranks, built from one (``moe``, its experts already this rank's EP /
+    MoE-TP shard starting at global expert ``expert_lo``): the same submodules under the same
+    names (parameter names stay), the same run options (``chunk``, ``platform``, ``side``, set by
+    ``Transformer.configure``)."""
 
-    parallel: ParallelContext
-    expert_lo: int = 0
+    def __init__(self, moe: MoE, ctx: ParallelContext, expert_lo: int):
+        super().__init__()
+        self.limit, self.ops = moe.limit, moe.ops
+        self.chunk, self.platform, self.side = moe.chunk, moe.platform, moe.side
+        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
+        self.parallel, self.expert_lo = ctx, expert_lo
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]`` (this rank's rows in either mode)."""
@@ -268,21 +277,26 @@ class ParallelMoE(MoE):
         return out
 
 
-class ParallelSharedMLP(MLP):
-    """Shared expert split over the "shared" TP group (w1 / w3 rows, w2 columns)."""
+class ParallelSharedMLP(nn.Module):
+    """A shared expert (``MLP``) split over the "shared" TP group, built from one whose linears
+    hold this rank's slices (w1 / w3 rows, w2 columns; the same names)."""
 
-    parallel: ParallelContext
+    def __init__(self, mlp: MLP, ctx: ParallelContext):
+        super().__init__()
+        self.w1, self.w2, self.w3, self.limit, self.ops = mlp.w1, mlp.w2, mlp.w3, mlp.limit, mlp.ops
+        self.parallel = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` -> ``[T, H]`` (this rank's rows)."""
+        """x ``[T, H]`` -> ``[T, H]`` (this rank's rows): ``MLP``'s formula on the slices, the
+        partial sums joined over the group."""
         g = self.parallel.groups["shared"]
         if self.parallel.dp:
-            xa, c = gather_rows(x, g)
-            return scatter_sum(MLP.forward(self, xa), c, g).to(x.dtype)
-        return all_reduce_sum(MLP.forward(self, x), g).to(x.dtype)
+            x, c = gather_rows(x, g)
+        y = self.w2(self.ops.swiglu_clamp(self.w1(x), self.w3(x), self.limit))
+        return (scatter_sum(y, c, g) if self.parallel.dp else all_reduce_sum(y, g)).to(x.dtype)
 
 
-def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
+def _shard_moe(moe: MoE, ctx: ParallelContext) -> ParallelMoE:
     pc, e = ctx.config, moe.experts
     n_loc = e.w1.shape[0] // pc.moe_ep_size
     i_loc = e.w1.shape[1] // pc.moe_tp_size
@@ -290,16 +304,14 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
     e.w1 = _shard(e.w1, (0, lo, n_loc), (1, ilo, i_loc))
     e.w3 = _shard(e.w3, (0, lo, n_loc), (1, ilo, i_loc))
     e.w2 = _shard(e.w2, (0, lo, n_loc), (2, ilo, i_loc))
-    moe.__class__ = ParallelMoE
-    moe.parallel, moe.expert_lo = ctx, lo
     g = ctx.groups["shared"]
     if g.size > 1:
         m = moe.shared_experts
         w = m.w1.weight.shape[0] // g.size
         m.w1.weight, m.w3.weight = _shard(m.w1.weight, (0, g.index * w, w)), _shard(m.w3.weight, (0, g.index * w, w))
         m.w2.weight = _shard(m.w2.weight, (1, g.index * w, w))
-        m.__class__ = ParallelSharedMLP
-        m.parallel = ctx
+        moe.shared_experts = ParallelSharedMLP(m, ctx)
+    return ParallelMoE(moe, ctx, lo)
 
 
 # ---- attention output projection -----------------------------------------------------------
@@ -308,42 +320,57 @@ def _shard_o_proj(attn: nn.Module, ctx: ParallelContext) -> None:
     rows = attn.wo_a.weight.shape[0] // g.size                     # (G/s) * o_lora_rank
     attn.wo_a.weight = _shard(attn.wo_a.weight, (0, g.index * rows, rows))
     attn.wo_b.weight = _shard(attn.wo_b.weight, (1, g.index * rows, rows))
-    attn.out_proj = partial(_o_proj_tp, attn, ctx)
+    attn.o_proj_tp = OProjTP(ctx)
 
 
-def _o_proj_tp(attn: nn.Module, ctx: ParallelContext, o: torch.Tensor) -> torch.Tensor:
-    """``Attention.out_proj`` under o_proj TP: o ``[T, h, d]`` -> ``[T, H]`` (compute dtype)."""
-    g = ctx.groups["o_proj"]
-    T, G = o.shape[0], attn.n_groups
-    Gl, K = G // g.size, attn.n_heads * attn.head_dim // G
-    o = o.reshape(T, G, K)
+class OProjTP:
+    """``Attention.o_proj_tp``: the grouped output projection over the "o_proj" group."""
 
-    def partial_out(oa):                                          # [M, Gl, K] -> [M, H]
-        return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.weight).flatten(1))
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
 
-    if ctx.dp:
-        c = counts(T, g)
-        blocks = o.reshape(T, g.size, Gl, K).transpose(0, 1).reshape(g.size * T, Gl, K)   # block j: rank j's groups
-        oa = all_to_all_rows(blocks, [T] * g.size, c, g)           # [N, Gl, K]: the group's rows, my groups
-        return scatter_sum(partial_out(oa), c, g).to(o.dtype)
-    return all_reduce_sum(partial_out(o[:, g.index * Gl:(g.index + 1) * Gl]), g).to(o.dtype)
+    def __call__(self, attn: nn.Module, o: torch.Tensor) -> torch.Tensor:
+        """o ``[T, h, d]`` -> ``[T, H]`` (compute dtype; this rank's rows)."""
+        ctx = self.ctx
+        g = ctx.groups["o_proj"]
+        T, G = o.shape[0], attn.n_groups
+        Gl, K = G // g.size, attn.n_heads * attn.head_dim // G
+        o = o.reshape(T, G, K)
+
+        def partial_out(oa):                                          # [M, Gl, K] -> [M, H]
+            return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.weight).flatten(1))
+
+        if ctx.dp:
+            c = counts(T, g)
+            blocks = o.reshape(T, g.size, Gl, K).transpose(0, 1).reshape(g.size * T, Gl, K)   # block j: rank j's groups
+            oa = all_to_all_rows(blocks, [T] * g.size, c, g)           # [N, Gl, K]: the group's rows, my groups
+            return scatter_sum(partial_out(oa), c, g).to(o.dtype)
+        return all_reduce_sum(partial_out(o[:, g.index * Gl:(g.index + 1) * Gl]), g).to(o.dtype)
 
 
 # ---- embedding and LM head -----------------------------------------------------------------
 def _shard_embed(model: Transformer, ctx: ParallelContext) -> None:
     lo, n, _ = _vocab_slice(model.args.vocab_size, ctx.groups["embed"])
     model.embed.weight = _shard(model.embed.weight, (0, lo, n))
-    model.embed_tokens = partial(_embed_tp, model, ctx, lo)
+    model.embed_tp = EmbedTP(ctx, lo)
 
 
-def _embed_tp(model: Transformer, ctx: ParallelContext, lo: int, tokens: torch.Tensor) -> torch.Tensor:
-    """``Transformer.embed_tokens`` under embedding TP: tokens ``[T]`` -> ``[T, H]`` compute dtype."""
-    g, w = ctx.groups["embed"], model.embed.weight
-    ids, c = gather_rows(tokens, g) if ctx.dp else (tokens, None)
-    local = ids - lo
-    hit = (local >= 0) & (local < w.shape[0])
-    e = torch.where(hit[:, None], F.embedding(local.clamp(0, w.shape[0] - 1), w), w.new_zeros(()))
-    return (scatter_sum(e, c, g) if ctx.dp else all_reduce_sum(e, g)).to(w.dtype)
+class EmbedTP:
+    """``Transformer.embed_tp``: the embedding lookup over the "embed" group, this rank holding
+    the contiguous vocab slice from id ``lo``."""
+
+    def __init__(self, ctx: ParallelContext, lo: int):
+        self.ctx, self.lo = ctx, lo
+
+    def __call__(self, model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens ``[T]`` int64 -> ``[T, H]`` compute dtype (this rank's rows)."""
+        ctx, lo = self.ctx, self.lo
+        g, w = ctx.groups["embed"], model.embed.weight
+        ids, c = gather_rows(tokens, g) if ctx.dp else (tokens, None)
+        local = ids - lo
+        hit = (local >= 0) & (local < w.shape[0])
+        e = torch.where(hit[:, None], F.embedding(local.clamp(0, w.shape[0] - 1), w), w.new_zeros(()))
+        return (scatter_sum(e, c, g) if ctx.dp else all_reduce_sum(e, g)).to(w.dtype)
 
 
 def _shard_head(model: Transformer, ctx: ParallelContext) -> None:
@@ -354,19 +381,25 @@ def _shard_head(model: Transformer, ctx: ParallelContext) -> None:
     local[:n] = w[lo:lo + n]
     model.head.weight = nn.Parameter(local, requires_grad=False)
     model.head.weight.shard_cuts = ((0, lo, n),)
-    model.logits = partial(_logits_tp, model, ctx)
+    model.lmhead_tp = LMHeadTP(ctx)
 
 
-@torch.no_grad()
-def _logits_tp(model: Transformer, ctx: ParallelContext, hidden: torch.Tensor) -> torch.Tensor:
-    """``Transformer.logits`` under LM-head TP: hidden ``[T, H]`` -> ``[T, V]`` fp32 (this rank's rows)."""
-    g, h = ctx.groups["lmhead"], model.head
-    x = h.quant_input(hidden.float())
-    if ctx.dp:
-        xa, c = gather_rows(x, g)
-        T = c[g.index]
-        got = all_to_all_rows(model.ops.lm_head(xa, h.weight), c, [T] * g.size, g)   # [s*T, V/s]
-        full = got.view(g.size, T, h.weight.shape[0]).permute(1, 0, 2).reshape(T, g.size * h.weight.shape[0])
-    else:
-        full = all_gather_cols(model.ops.lm_head(x, h.weight), g)
-    return full[:, :model.args.vocab_size]
+class LMHeadTP:
+    """``Transformer.lmhead_tp``: the LM head over the "lmhead" group (vocab slices of ceil(V/s))."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def __call__(self, model: Transformer, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, H]`` -> ``[T, V]`` fp32 (this rank's rows)."""
+        ctx = self.ctx
+        g, h = ctx.groups["lmhead"], model.head
+        x = h.quant_input(hidden.float())
+        if ctx.dp:
+            xa, c = gather_rows(x, g)
+            T = c[g.index]
+            got = all_to_all_rows(model.ops.lm_head(xa, h.weight), c, [T] * g.size, g)   # [s*T, V/s]
+            full = got.view(g.size, T, h.weight.shape[0]).permute(1, 0, 2).reshape(T, g.size * h.weight.shape[0])
+        else:
+            full = all_gather_cols(model.ops.lm_head(x, h.weight), g)
+        return full[:, :model.args.vocab_size]

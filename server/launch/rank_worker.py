@@ -1,7 +1,9 @@
 """Leader and follower sides of a multi-rank worker instance (``server.launch.ranks`` starts them).
 
-The leader is the ordinary prefill / decode worker plus a ``Mirror`` of its engine calls to the
-followers. When a rank is lost (its process exits, its connection closes, or it misses
+Every rank's engine is built with its executor (``engine.parallel.executor``): the leader's
+is a ``LeaderExecutor``, which sends each pool change and model call to the followers first, so
+the leader is the ordinary prefill / decode worker over it; a follower replays them through a
+``RankExecutor``. When a rank is lost (its process exits, its connection closes, or it misses
 heartbeats for ``--rank-timeout-s``) the leader stops being ready at once and exits with status
 1 after its current step, so the gateway sees a killed worker (samples before token #1 retried
 elsewhere, later ones ended with an error event); a leader stuck in a collective with the dead
@@ -20,7 +22,7 @@ import time
 import zmq
 
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
-from engine.parallel.mirror import Mirror, cache_layout, follow
+from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, follow
 from kvtransfer.secure import secure_client, secure_server, stop_authenticator
 from server.launch.local import stop_processes
 
@@ -34,11 +36,18 @@ def _cp_fn(cfg):
     return cp_prefill
 
 
-class LeaderRanks:
-    """Rank 0's view of its followers: the link, the mirror and the watch on every rank."""
+def rank_executor(cfg):
+    """A follower's executor factory (``build_engine``'s ``executor``)."""
+    return lambda model, cache: RankExecutor(model, cache, _cp_fn(cfg))
 
-    def __init__(self, engine, renv, args, cfg, prefill: bool):
-        self.renv, self.timeout_s = renv, args.rank_timeout_s
+
+class LeaderRanks:
+    """Rank 0's view of its followers: the link (listening from construction), the leader's
+    executor (``executor``: the factory to build the engine with) and the watch on every rank."""
+
+    def __init__(self, renv, args, cfg, prefill: bool):
+        self.renv, self.timeout_s, self.cfg, self.prefill = renv, args.rank_timeout_s, cfg, prefill
+        self.dist_timeout_s = args.dist_timeout_s
         self.children = getattr(args, "children", {})
         secret = args.cluster_secret_value
         self.handler = args.rank_handler
@@ -49,39 +58,48 @@ class LeaderRanks:
             print(f"launch-pd: --rank-port: cannot listen on {renv.master_addr}:{renv.rank_port} ({e})",
                   file=sys.stderr, flush=True)
             os._exit(2)
-        try:
-            self.link.wait_followers(cache_layout(engine), args.dist_timeout_s)
-        except LinkError as e:
-            self.close()
-            raise SystemExit(f"launch-pd: {e}") from None
-        pc = cfg.parallel_config
-        cp = _cp_fn(cfg) if prefill else None
+        self.leader = None
+        self.worker = None
+        self.closing = False
+        self.lost: str | None = None
+
+    def executor(self, model, cache) -> LeaderExecutor:
+        """The leader engine's executor (``build_engine``'s ``executor``)."""
+        pc, prefill = self.cfg.parallel_config, self.prefill
         if pc.cp_size > 1 and not prefill:
             log.info("parallel_config.cp_size %d: context parallelism is for prefill; this decode instance "
                      "runs attention data parallel", pc.cp_size)
         # decode: attention DP over the ranks (upstream); prefill: attention on every rank (+ CP)
-        self.mirror = Mirror(engine, self.link, cp, cp_min_tokens=2 * pc.cp_size * engine.model.args.sliding_window,
-                             dp=1 if prefill else pc.attn_dp_size)
-        self.worker = None
-        self.closing = False
-        self.lost: str | None = None
+        self.leader = LeaderExecutor(model, cache, self.link, _cp_fn(self.cfg) if prefill else None,
+                                     cp_min_tokens=2 * pc.cp_size * model.args.sliding_window,
+                                     dp=1 if prefill else pc.attn_dp_size)
+        return self.leader
+
+    def wait_followers(self, engine) -> None:
+        """Until every follower has said hello with ``engine``'s layout; exits naming a missing or
+        different rank."""
+        try:
+            self.link.wait_followers(cache_layout(engine), self.dist_timeout_s)
+        except LinkError as e:
+            self.close()
+            raise SystemExit(f"launch-pd: {e}") from None
 
     def attach(self, worker) -> None:
         """Watch the ranks on behalf of ``worker`` (its ``rank_lost`` is called once)."""
         self.worker = worker
         worker.parallel_info = self.info
         watch(self.link.sock, self.link.ctx, self._lost, "leader", fds=self.link.fds)
-        self.mirror.on_failure = self._lost
+        self.leader.on_failure = self._lost
         self.handler["lost"] = self._lost             # spawned ranks (server.launch.ranks.watch_children)
 
     def info(self) -> dict:
         """For /health: the layout and every rank's process."""
         ranks = [{"rank": 0, "pid": os.getpid()}] + [
             {"rank": r, "pid": h.get("pid"), "host": h.get("host")} for r, h in sorted(self.link.hellos.items())]
-        m = self.mirror
-        out = {"world_size": self.renv.world_size, "attention": "dp" if m.dp > 1 else "replicated",
+        m = self.leader
+        out = {"world_size": self.renv.world_size, "attention": "dp" if m.dp_size > 1 else "replicated",
                "ranks": ranks, "cp_prefills": m.cp_runs}
-        if m.dp > 1:
+        if m.dp_size > 1:
             out["dp_requests_total"] = m.dp_placed
         return out
 
@@ -98,15 +116,20 @@ class LeaderRanks:
 
     def close(self) -> None:
         self.closing = True
-        if getattr(self, "mirror", None) is not None and self.lost is None:
-            self.mirror.stop()
+        if getattr(self, "leader", None) is not None and self.lost is None:
+            self.leader.stop()
         time.sleep(0.1)
         self.link.close(stop_authenticator)
         stop_processes(self.children.values(), 10)
 
 
-def start_leader(engine, renv, args, cfg, prefill: bool) -> LeaderRanks:
-    return LeaderRanks(engine, renv, args, cfg, prefill)
+def start_ranks(renv, args, cfg, prefill: bool) -> tuple[LeaderRanks | None, object]:
+    """This rank's part: (rank 0's ``LeaderRanks``, listening; None on a follower) and the factory
+    of its engine's executor (``build_engine``'s ``executor``)."""
+    if renv.leader:
+        ranks = LeaderRanks(renv, args, cfg, prefill)
+        return ranks, ranks.executor
+    return None, rank_executor(cfg)
 
 
 def run_follower(engine, renv, args, cfg) -> int:
@@ -127,6 +150,6 @@ def run_follower(engine, renv, args, cfg) -> int:
         os._exit(1)
     watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
     log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
-    follow(engine, link, _cp_fn(cfg), rank=renv.rank)
+    follow(engine.executor, link, rank=renv.rank)
     log.info("rank %d: stopped by the leader", renv.rank)
     os._exit(0)                          # do not run torch.distributed's teardown against a gone leader

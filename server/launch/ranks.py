@@ -6,7 +6,7 @@ from torchrun-style environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
 with none set, ``launch-pd`` starts them itself: ``--nnodes`` / ``--node-rank`` /
 ``--nproc-per-node`` (default: all N on this node) with ``--master-addr`` / ``--master-port``.
 Rank 0 is the leader (the worker the gateway talks to); the others follow it
-(``engine.parallel.mirror``). The step channel listens on ``--rank-port`` (default MASTER_PORT + 1).
+(``engine.parallel.executor``). The step channel listens on ``--rank-port`` (default MASTER_PORT + 1).
 """
 from __future__ import annotations
 

@@ -48,21 +48,22 @@ def run_worker(args) -> int:
     if renv is not None and platform.kind != "cpu" and ":" not in spec:
         platform = select_platform(f"{platform.kind}:{renv.local_rank}")     # one device per local rank
     platform.activate()
+    ranks, executor = None, None
     if renv is not None:
         _meet(args, cfg, renv, platform)
+        from server.launch.rank_worker import start_ranks          # rank 0 listens while the ranks load
+        ranks, executor = start_ranks(renv, args, cfg, prefill)
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
-                              rank=renv.rank if renv else 0)
+                              rank=renv.rank if renv else 0, executor=executor)
     except (ConfigError, CheckpointError) as e:
         die(f"launch-pd: {e}")
     if renv is not None and not renv.leader:
         from server.launch.rank_worker import run_follower
         return run_follower(engine, renv, args, cfg)
-    mirror = None
-    if renv is not None:
-        from server.launch.rank_worker import start_leader
-        mirror = start_leader(engine, renv, args, cfg, prefill)
+    if ranks is not None:
+        ranks.wait_followers(engine)
     if prefill:
         from server.workers.prefill import PrefillWorker as W
     else:
@@ -71,8 +72,8 @@ def run_worker(args) -> int:
         worker = W(engine, opts)
     except Exception as e:     # zmq bind errors: address in use / not available
         die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
-    if mirror is not None:
-        mirror.attach(worker)
+    if ranks is not None:
+        ranks.attach(worker)
     def on_signal(*_):             # the first drains, a second stops at once
         if worker.draining:
             worker.stop.set()
@@ -91,8 +92,8 @@ def run_worker(args) -> int:
         worker.run()
     finally:
         worker.close()
-        if mirror is not None:
-            mirror.close()
+        if ranks is not None:
+            ranks.close()
     return 1 if worker.rank_failure else 0
 
 

@@ -1,5 +1,5 @@
 """Multi-rank plumbing without collectives: rank settings, the step channel, and the follower's
-replay keeping its state pools equal to the leader's (engine.parallel.mirror)."""
+replay keeping its state pools equal to the leader's (engine.parallel.executor)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +12,7 @@ from engine.build import build_engine, check_min_ranks
 from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
-from engine.parallel.mirror import Mirror, cache_layout, follow, sequence_state_tensors
+from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, follow, sequence_state_tensors
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import free_port
@@ -102,18 +102,19 @@ def test_leader_refuses_a_follower_with_another_layout():
 # ---- replay -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair(ckpt):
-    """A leader engine with a Mirror and a follower engine replaying it on a thread (world 1
-    models: no collectives, so this checks the replay alone)."""
+    """A leader engine with a LeaderExecutor and a follower engine replaying it on a thread
+    (world 1 models: no collectives, so this checks the replay alone)."""
     cfg = RunConfig.from_yaml(CONFIG)
-    leader, follower = (build_engine(cfg, ckpt, progress=False) for _ in range(2))
     port = free_port()
     link = LeaderLink("127.0.0.1", port, 2)
+    leader = build_engine(cfg, ckpt, progress=False, executor=lambda m, c: LeaderExecutor(m, c, link))
+    follower = build_engine(cfg, ckpt, progress=False, executor=RankExecutor)
     box = {}
     th = threading.Thread(target=lambda: box.update(link=FollowerLink("127.0.0.1", port, 1, cache_layout(follower))))
     th.start()
     link.wait_followers(cache_layout(leader), startup_s=30)
     th.join()
-    mirror = Mirror(leader, link)
+    mirror = leader.executor
     count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.model.logits, link.send
 
     def sent(header, frames=(), to=None):
@@ -132,7 +133,7 @@ def pair(ckpt):
         with cond:
             return cond.wait_for(lambda: count["seen"] == count["sent"], timeout=30)
     mirror.replayed = replayed
-    runner = threading.Thread(target=follow, args=(follower, box["link"]), daemon=True)
+    runner = threading.Thread(target=follow, args=(follower.executor, box["link"]), daemon=True)
     runner.start()
     yield leader, follower, mirror
     mirror.stop()
@@ -144,7 +145,7 @@ def pair(ckpt):
 def _sync(mirror):
     """Flush pending cache calls with a logits call and wait until the follower has replayed
     it (and so everything sent before it, in order)."""
-    mirror.engine.model.logits(torch.zeros(1, mirror.engine.model.args.hidden_size))
+    mirror.logits(torch.zeros(1, mirror.model.args.hidden_size))
     assert mirror.replayed(), "the follower did not replay within 30 s"
 
 

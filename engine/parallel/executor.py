@@ -1,0 +1,315 @@
+"""Multi-rank execution of one instance: the leader schedules, the followers replay.
+
+The leader (rank 0) runs the whole ``LLMEngine``: scheduler, sampler, block manager. Its state
+pools are replicated on every rank (attention runs on the same rows everywhere; experts, the
+embedding, the LM head and o_proj are sharded, ``engine.parallel.shard``), so the followers only
+need, in order, the executor calls that change the pools (allocate, free, a loaded state) and the
+model calls that carry collectives (forward, logits, context-parallel prefill). Every rank runs
+them through a ``RankExecutor``; the leader's is a ``LeaderExecutor``, which sends each call as
+one step message (``link.LeaderLink``) before running it, and ``follow`` replays the messages on
+a follower's. The block manager is deterministic, so replaying the same allocate / free sequence
+gives every rank the same block tables (vLLM's multiproc executor broadcasts its scheduler
+output the same way). ``server.launch.rank_worker`` builds each rank's engine with its executor.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import torch
+
+from engine.core.executor import Executor
+from engine.core.pd_state import check_state_tensors, layer_state_tensors, load_state_tensors
+from engine.parallel.comm import gather_rows
+from engine.parallel.dp_cache import DPCache
+from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def cache_layout(engine) -> dict:
+    """What every rank must agree on (exchanged in the hello): the state pools, and a digest of
+    weights no layout shards (final norm, layer 0's attention query-down projection and the last
+    layer's router), so a rank loaded from another checkpoint is refused."""
+    c, m = engine.cache.config, engine.model
+    h = hashlib.sha256()
+    for t in (m.norm.weight, m.layers[0].attn.wq_a.weight, m.layers[-1].ffn.gate.weight):
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return {"block_size": c.block_size, "max_seqs": c.max_seqs, "num_blocks": dict(sorted(c.num_blocks.items())),
+            "next_n": c.next_n, "dtype": str(m.dtype), "weights": h.hexdigest()[:16]}
+
+
+class RankExecutor(Executor):
+    """Any rank of a multi-rank instance: ``Executor`` plus the calls only several ranks make.
+
+    ``cp_prefill``: a context-parallel prefill function (``engine.parallel.cp.cp_prefill``), or
+    None where the instance runs none.
+    """
+
+    def __init__(self, model, cache, cp_prefill=None):
+        super().__init__(model, cache)
+        self.cp_prefill = cp_prefill
+
+    def forward_dp(self, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
+        """Attention DP, every rank: its own sequences (none: zero rows, still every collective),
+        then every rank's last rows, all ranks' in rank order ``[sum over ranks of sequences, H]``."""
+        m = self.model
+        with m.parallel.rows("dp"):
+            h = m.forward_batch(tokens, states, lengths)
+        ends = torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1
+        return gather_rows(h[ends], m.parallel.groups["moe"])[0]
+
+    def prefill_cp(self, seq_id, tokens: torch.Tensor) -> torch.Tensor:
+        """Every rank: CP prefill of ``tokens`` ``[L]`` (a whole prompt), then the full state into
+        this rank's pools for ``seq_id`` (already allocated). Returns the last hidden row ``[1, H]``."""
+        last, state = self.cp_prefill(self.model, tokens, gather_hidden=False)
+        n = tokens.shape[0]
+        load_state_tensors(self.cache, seq_id, n, sequence_state_tensors(state, n))
+        return last
+
+
+class LeaderExecutor(RankExecutor):
+    """Rank 0: each call reaches the followers (``link``) first, then runs here.
+
+    ``cp_prefill`` runs a prefill chunk that starts a prompt and has at least ``cp_min_tokens``
+    tokens. ``dp`` > 1: attention data parallel (decode): ``cache`` (rank 0's pools) is scheduled
+    as a ``DPCache`` whose requests each live on one rank, every rank runs its own requests' rows
+    (the model in "dp" row mode) and the leader gathers their last hidden rows; the engine's
+    batch limit becomes ``dp`` x its own. A pool change carries its owner rank (None: every rank).
+    """
+
+    on_failure = None                     # (reason) -> None: a step failed on some rank
+
+    def __init__(self, model, cache, link: LeaderLink, cp_prefill=None, cp_min_tokens: int = 1024, dp: int = 1):
+        super().__init__(model, DPCache(cache, dp) if dp > 1 else cache, cp_prefill)
+        self.link, self.dp_size, self.cp_min_tokens = link, dp, cp_min_tokens
+        self.pending: list = []             # pool changes not yet sent: [op, args..., owner rank]
+        self.frames: list[bytes] = []
+        self.cp_runs = 0
+        self.dp_placed = [0] * dp           # requests placed on each DP rank so far
+
+    def _owner(self, seq_id) -> int | None:
+        return self.cache.rank_of(seq_id) if self.dp_size > 1 else None
+
+    def allocate(self, seq_id, num_tokens: int):
+        new = self.dp_size > 1 and seq_id not in self.cache.owner
+        held = super().allocate(seq_id, num_tokens)
+        if new:
+            self.dp_placed[self.cache.rank_of(seq_id)] += 1
+        self.pending.append(["alloc", seq_id, num_tokens, self._owner(seq_id)])
+        return held
+
+    def free(self, seq_id) -> None:
+        r = self._owner(seq_id) if seq_id in self.cache.seqs else None
+        super().free(seq_id)
+        self.pending.append(["free", seq_id, r])
+
+    def load_state(self, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+                   layers: list[int] | None = None) -> None:
+        """As ``Executor.load_state``; under attention DP the bytes go to the owner rank only
+        (rank 0 writes its own; another rank's are checked here first). Raises ValueError."""
+        r = self._owner(seq_id)
+        if r is None:
+            super().load_state(seq_id, num_tokens, tensors, layers)
+        elif r == 0:
+            load_state_tensors(self.cache.ranks[0], seq_id, num_tokens, tensors, layers)
+            return
+        else:
+            check_state_tensors(self.cache, num_tokens, tensors, layers)
+        metas, frames = [], []
+        for name, t in tensors.items():
+            meta, buf = encode(t)
+            metas.append([name, *meta])
+            frames.append(buf)
+        op = ["load", seq_id, num_tokens, metas, layers, r]
+        if r is None:
+            self.pending.append(op)
+            self.frames += frames
+        else:                             # after the calls before it, to the owner only
+            self._send({"op": "cache"}, [])
+            self.link.send({"op": "cache", "cache": [op]}, frames, to=r)
+
+    def forward_batch(self, tokens, states, lengths, layer_hook=None) -> torch.Tensor:
+        """As ``Executor.forward_batch``; a sequence that ``_use_cp`` runs context parallel."""
+        cp = [i for i, (st, n) in enumerate(zip(states, lengths)) if self._use_cp(st, n)]
+        with self._failing("forward"):
+            if not cp:
+                return self._forward(tokens, states, lengths, layer_hook)
+            return self._with_cp(cp, tokens, states, lengths, layer_hook)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with self._failing("logits"):
+            meta, buf = encode(hidden)
+            self._send({"op": "logits", "hidden": meta}, [buf])
+            return super().logits(hidden)
+
+    def prefill_cp(self, seq_id, tokens: torch.Tensor) -> torch.Tensor:
+        meta, buf = encode(tokens)
+        self._send({"op": "cp", "seq": seq_id, "tokens": meta}, [buf])
+        last = super().prefill_cp(seq_id, tokens)
+        self.cp_runs += 1
+        return last
+
+    def _forward(self, tokens, states, lengths, layer_hook) -> torch.Tensor:
+        if self.dp_size > 1:
+            return self._forward_dp(tokens, states, lengths, layer_hook)
+        meta, buf = encode(tokens)
+        self._send({"op": "forward", "seqs": self._seq_ids(states), "nums": [st.num_tokens for st in states],
+                    "lengths": list(lengths), "tokens": meta}, [buf])
+        return super().forward_batch(tokens, states, lengths, layer_hook)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str):
+        """A step that raises other than ValueError (a collective with a lost rank, a gone
+        follower) fails the instance before the engine sees it, so its samples are not reported
+        as finished (``on_failure``: the worker stops answering and exits)."""
+        try:
+            yield
+        except ValueError:
+            raise
+        except Exception as e:
+            if self.on_failure is not None:
+                self.on_failure(f"{what} failed: {type(e).__name__}: {str(e)[:200]}")
+            raise
+
+    def _seq_ids(self, states) -> list:
+        by_held = {id(h): sid for sid, h in self.cache.seqs.items()}
+        return [by_held[id(st.held)] for st in states]
+
+    def _send(self, header: dict, frames: list[bytes]) -> None:
+        header["cache"], frames = self.pending, self.frames + frames
+        self.pending, self.frames = [], []
+        self.link.send(header, frames)
+
+    def _forward_dp(self, tokens, states, lengths, layer_hook) -> torch.Tensor:
+        """Each rank runs its own requests' rows; returns ``[T, H]`` with each sequence's last row
+        (the others zero: the engine reads only last rows)."""
+        if layer_hook is not None:
+            raise ValueError("attention DP serves decode: no layer hook")
+        m, cache = self.model, self.cache
+        seqs = self._seq_ids(states)
+        offs = _offsets(lengths)
+        mine = [[i for i, sid in enumerate(seqs) if cache.rank_of(sid) == r] for r in range(self.dp_size)]
+        parts, frames = [], []
+        for r in range(1, self.dp_size):
+            meta, buf = encode(tokens[_rows(mine[r], offs)])
+            parts.append({"seqs": [seqs[i] for i in mine[r]], "nums": [states[i].num_tokens for i in mine[r]],
+                          "lengths": [lengths[i] for i in mine[r]], "tokens": meta})
+            frames.append(buf)
+        self._send({"op": "forward_dp", "parts": parts}, frames)
+        last = self.forward_dp(tokens[_rows(mine[0], offs)], [states[i] for i in mine[0]],
+                               [lengths[i] for i in mine[0]])
+        hidden = torch.zeros(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+        order = [i for r in range(self.dp_size) for i in mine[r]]
+        hidden[torch.tensor([offs[i + 1] - 1 for i in order], dtype=torch.long)] = last
+        return hidden
+
+    def _use_cp(self, state, n: int) -> bool:
+        """A prefill chunk that starts the prompt and is long enough to split over the CP ranks."""
+        return self.cp_prefill is not None and state.num_tokens == 0 and n >= self.cp_min_tokens
+
+    def _with_cp(self, cp: list[int], tokens, states, lengths, layer_hook) -> torch.Tensor:
+        """The batch's sequences ``cp`` through context-parallel prefill one by one (upstream's
+        cp_mini_batch 1), then the others in one forward. A CP sequence's hidden rows are zero but
+        its last (the engine reads only that one for a finished prompt)."""
+        m = self.model
+        offs = _offsets(lengths)
+        hidden = torch.zeros(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+        seqs = self._seq_ids(states)
+        for i in cp:
+            hidden[offs[i + 1] - 1] = self.prefill_cp(seqs[i], tokens[offs[i]:offs[i + 1]])[-1]
+        rest = [i for i in range(len(states)) if i not in cp]
+        if rest:          # the CP states are final now: a layer hook may read them with the others'
+            idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
+            hidden[idx] = self._forward(tokens[idx], [states[i] for i in rest], [lengths[i] for i in rest],
+                                        layer_hook)
+        elif layer_hook is not None:
+            for layer in range(len(m.layers)):
+                layer_hook(layer)
+        return hidden
+
+    def stop(self) -> None:
+        """Tell the followers to exit (best effort)."""
+        try:
+            self._send({"op": "stop"}, [])
+        except Exception:                 # noqa: BLE001 - they may be gone already
+            pass
+
+
+def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
+    """A contiguous ``SequenceState`` after ``num_tokens`` tokens as ``cache.state_tensors`` names
+    (what ``load_state_tensors`` writes into paged pools; reference §4)."""
+    out = {}
+    for l, layer in enumerate(st.layers):
+        W = layer.win_kv.shape[0]
+        n = min(num_tokens, W - 1)
+        win = layer.win_kv[torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W]
+        out.update(layer_state_tensors(l, layer, win, num_tokens))
+    return out
+
+
+def _rows(seqs: list[int], offs: list[int]) -> torch.Tensor:
+    """Packed row indices of sequences ``seqs`` (``offs``: sequence start offsets + the end)."""
+    if not seqs:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(offs[i], offs[i + 1]) for i in seqs])
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    """Start offsets of the packed sequences, then the end."""
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    return offs
+
+
+def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0) -> None:
+    """A follower's loop: replay the leader's step messages through this rank's ``executor``
+    until ``stop``.
+
+    A ValueError from the model is the leader's too (same inputs, raised before any collective):
+    logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
+    which takes the instance out of routing (the leader sees the connection close).
+    """
+    ex, cache = executor, executor.cache
+    while True:
+        head, frames = link.recv()
+        try:
+            k = 0
+            for op in head.get("cache", ()):
+                if op[-1] not in (None, rank):       # another DP rank's request
+                    continue
+                if op[0] == "alloc":
+                    ex.allocate(op[1], op[2])
+                elif op[0] == "free":
+                    ex.free(op[1])
+                elif op[0] == "load":
+                    _, rid, n, metas, layers, _ = op
+                    tensors = {}
+                    for name, *meta in metas:
+                        tensors[name] = decode(meta, frames[k])
+                        k += 1
+                    ex.load_state(rid, n, tensors, layers)
+            kind = head["op"]
+            if kind == "forward":
+                tokens = decode(head["tokens"], frames[k])
+                states = [cache.sequence_state(s, n) for s, n in zip(head["seqs"], head["nums"])]
+                try:
+                    ex.forward_batch(tokens, states, head["lengths"])
+                except ValueError as e:
+                    log.warning("forward refused on every rank: %s", e)
+            elif kind == "forward_dp":
+                p = head["parts"][rank - 1]
+                states = [cache.sequence_state(s, n) for s, n in zip(p["seqs"], p["nums"])]
+                ex.forward_dp(decode(p["tokens"], frames[k + rank - 1]), states, p["lengths"])
+            elif kind == "logits":
+                ex.logits(decode(head["hidden"], frames[k]))
+            elif kind == "cp":
+                ex.prefill_cp(head["seq"], decode(head["tokens"], frames[k]))
+            elif kind == "stop":
+                return
+        except Exception:                 # noqa: BLE001 - out of step with the leader: leave
+            log.exception("follower out of step with the leader; exiting")
+            os._exit(1)
