@@ -48,6 +48,7 @@ _RENAMED = {"messages": {"stop": "stop_sequences"}}
 MAX_DEPTH = 128          # the recipe's JSON nesting limit (serde_json's), checked first to name the field
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length,
            "abort": dr.InferenceFinishReason.Stop}
+_RECIPE_MAX_TOKENS = (1 << 31) - 1        # the largest count the recipe's integers take
 
 
 def finish_reason(reason: str | None) -> dr.InferenceFinishReason:
@@ -217,8 +218,8 @@ class DeepSeekFormat:
         if prompt_tokens >= max_model_len:
             raise ApiError(f"{field}: {prompt_tokens} tokens leave no room to generate within the model's context "
                            f"length of {max_model_len} tokens", 400, field)
-        try:
-            return cr.resolve_max_tokens(prompt_tokens, max_model_len)
+        try:     # before any worker answered the context is unknown (huge); the recipe takes 32-bit counts
+            return cr.resolve_max_tokens(prompt_tokens, min(max_model_len, _RECIPE_MAX_TOKENS))
         except (dr.ConversionError, ValueError) as e:
             raise ApiError(f"{limit_field}: {_recipe_message(e)[1]}", 400, limit_field) from None
 

@@ -77,6 +77,11 @@ def test_a_live_gateway_process_has_no_torch_loaded(how, ckpt, tmp_path):
         r = httpx.post(base + "/v1/completions", json={"model": "deepseek_v4", "prompt": "hi", "max_tokens": 4},
                        timeout=30)
         assert r.status_code == 503, r.text
+        # no worker answered yet, so the context length is unknown: still 503, never a 500
+        for path, body in (("/v1/chat/completions", chat), ("/v1/messages", {**chat, "max_tokens": 8}),
+                           ("/v1/responses", {"model": "deepseek_v4", "input": "hi"})):
+            r = httpx.post(base + path, json=body, timeout=30)
+            assert r.status_code == 503, (path, r.text)
         assert gw.poll() is None
         assert _torch_maps(gw.pid) == []
     finally:
