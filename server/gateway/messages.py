@@ -28,7 +28,7 @@ def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_m
     rid, ids, sample, cr, extras = prepare_recipe("messages", req, fmt, tokenizer, max_model_len, "msg_", "messages")
     return MessagesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
                        extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
-                        decode=tokenizer.decode)
+                       decode=tokenizer.decode)
 
 
 @dataclass
