@@ -51,7 +51,8 @@ class ConvertError(ValueError):
 
 
 def encode(w: torch.Tensor, fmt: str, clip=None) -> dict[str, torch.Tensor]:
-    """Dense ``[N, K]`` -> the stored tensors of format ``fmt`` (suffix -> tensor, ``engine.qformats``)."""
+    """Dense ``[N, K]`` -> the stored tensors of format ``fmt`` (suffix -> tensor; the codecs are
+    ``engine.checkpoint.int8_int4``, ``engine.checkpoint.mx`` and ``engine.checkpoint.hif8``)."""
     if fmt == "bf16":
         return {"weight": w.to(torch.bfloat16)}
     if fmt == "int8":
