@@ -5,7 +5,6 @@ sampling extras, the context check and Anthropic's error shape (``event: error``
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import deepseek_recipe as dr
@@ -25,10 +24,7 @@ def count_message_tokens(req, fmt: DeepSeekFormat, max_model_len: int) -> dict:
 
 def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_model_len: int) -> MessagesJob:
     """Validate and convert a Messages request. Raises ApiError (400 naming the field / the recipe's message)."""
-    rid, ids, sample, cr, extras = prepare_recipe("messages", req, fmt, tokenizer, max_model_len, "msg_", "messages")
-    return MessagesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                       extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
-                       decode=tokenizer.decode)
+    return prepare_recipe(MessagesJob, req, fmt, tokenizer, max_model_len, "msg_", "messages")
 
 
 @dataclass

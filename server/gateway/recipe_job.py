@@ -6,6 +6,7 @@ A non-streamed request gets the recipe's accumulated response object.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -23,10 +24,12 @@ _NOT_HERE = {"responses": {"max_tokens": (None,), "max_completion_tokens": (None
              "messages": {"output_format": (None,), "response_format": (None, {"type": "text"})}}
 
 
-def prepare_recipe(api: str, req, fmt: DeepSeekFormat, tokenizer, max_model_len: int, prefix: str, field: str):
-    """Convert, render and encode a ``responses`` / ``messages`` request (``api``). Returns
-    ``(request id, prompt ids, the one Sample, the recipe's ConversationRequest, its extras)``.
-    Raises ApiError (400 naming the field, or the recipe's message; the context check)."""
+def prepare_recipe(job_cls: type, req, fmt: DeepSeekFormat, tokenizer, max_model_len: int, prefix: str,
+                   field: str):
+    """Convert, render and encode a ``responses`` / ``messages`` request (``job_cls.api``) into its
+    one-sample job (``job_cls``, a ``RecipeJob``; request id ``prefix`` + hex). Raises ApiError (400
+    naming the field, or the recipe's message; the context check)."""
+    api = job_cls.api
     body = req.model_dump(exclude_unset=True)
     refuse_not_done(body, _NOT_HERE[api])
     fmt_cfg = body.get("output_config")
@@ -44,7 +47,8 @@ def prepare_recipe(api: str, req, fmt: DeepSeekFormat, tokenizer, max_model_len:
     rid = f"{prefix}{uuid.uuid4().hex}"
     sample = Sample(0, 0, f"{rid}-0", sampling_params(recipe_sampling(body, cr), max_new, logprobs,
                                                       sample_seed(req.seed, 0)))
-    return rid, ids, sample, cr, extras
+    return job_cls(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
+                   extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)), decode=tokenizer.decode)
 
 
 @dataclass

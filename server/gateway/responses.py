@@ -7,7 +7,6 @@ OpenAI's error shape (an ``error`` event mid-stream).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 
 import deepseek_recipe as dr
@@ -23,10 +22,7 @@ def prepare_responses(req: ResponsesRequest, fmt: DeepSeekFormat, tokenizer, max
     if req.previous_response_id is not None:
         raise ApiError("previous_response_id: this server keeps no responses (send the whole input)", 400,
                        "previous_response_id")
-    rid, ids, sample, cr, extras = prepare_recipe("responses", req, fmt, tokenizer, max_model_len, "resp_", "input")
-    return ResponsesJob(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                        extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)),
-                        decode=tokenizer.decode)
+    return prepare_recipe(ResponsesJob, req, fmt, tokenizer, max_model_len, "resp_", "input")
 
 
 @dataclass
