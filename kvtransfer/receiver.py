@@ -28,10 +28,12 @@ class Pending:
     num_layers: int
     deadline: float
     owner: bytes = b""                     # the gateway connection the sample's tokens go to
+    lease_s: float = 0.0                   # how far a renewal pushes ``deadline`` (s)
     received: set[int] = field(default_factory=set)
     nbytes: int = 0                        # all frames, headers included
     payload_bytes: int = 0                 # tensor bytes only (reference §4 formula)
     first_frame_time: float | None = None
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -82,9 +84,18 @@ class TransferReceiver:
         """Start accepting ``transfer_id`` for ``lease_s`` seconds. Raises ValueError if the id was ever used here."""
         if self.is_known(transfer_id):
             raise ValueError(f"transfer_id {transfer_id!r} was already used (ids are never reused)")
-        p = Pending(transfer_id, num_tokens, self.num_layers, time.monotonic() + lease_s, owner)
+        p = Pending(transfer_id, num_tokens, self.num_layers, time.monotonic() + lease_s, owner, lease_s)
         self.pending[transfer_id] = p
         return p
+
+    def renew(self, transfer_id: str, owner: bytes) -> bool:
+        """Push the lease of ``transfer_id`` to now + its lease, if it is pending for ``owner``.
+        Returns whether it was (a renewal for a retired id, or from another connection, does nothing)."""
+        p = self.pending.get(transfer_id)
+        if p is None or p.owner != owner:
+            return False
+        p.deadline = max(p.deadline, time.monotonic() + p.lease_s)
+        return True
 
     def retire(self, transfer_id: str) -> Pending | None:
         """Stop accepting ``transfer_id`` for good (idempotent); returns what was pending (None if nothing)."""

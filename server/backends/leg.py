@@ -48,6 +48,8 @@ class Leg:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (op, message) from the reader tasks
     grace_until: float | None = None    # prefill lost after token #1: decode may still get the commit until
     grace_loss: dict | None = None      # ... then this loss ends the attempt
+    lease_s: float = 60.0               # decode's lease of the reservation (s) ...
+    renewed_at: float = 0.0             # ... last started or renewed at (monotonic s)
 
     def __post_init__(self):
         self.decode.inflight += 1
@@ -57,6 +59,11 @@ class Leg:
     def delivered(self) -> bool:
         """Token #1 has reached the client: a loss now ends the sample (no retry)."""
         return self.state.value >= LegState.TRANSFERRING.value
+
+    @property
+    def awaits_state(self) -> bool:
+        """Decode holds a reservation whose state has not been committed yet (its lease runs)."""
+        return self.state in (LegState.PREFILLING, LegState.TRANSFERRING)
 
     def prefill_on(self, inst: Instance) -> None:
         """RESERVING -> PREFILLING: ``inst`` computes the prompt into decode's reservation."""

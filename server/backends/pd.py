@@ -77,6 +77,7 @@ class PDBackend:
         self.max_retries = max_retries
         self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
         self._streams: dict[str, asyncio.Queue] = {}
+        self._legs: dict[str, Leg] = {}          # attempts in flight, by transfer id (lease renewal)
         self._tasks: list[asyncio.Task] = []
         self.counters = {"retries": 0, "lost_legs": 0}
 
@@ -106,6 +107,7 @@ class PDBackend:
             self._tasks.append(asyncio.create_task(self._reader(inst)))
             inst.sock.connect(f"tcp://{inst.addr}")
         self._tasks.append(asyncio.create_task(self._pinger()))
+        self._tasks.append(asyncio.create_task(self._renewer()))
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once at least one prefill and one decode instance are healthy."""
@@ -147,6 +149,21 @@ class PDBackend:
                 with contextlib.suppress(zmq.Again, zmq.ZMQError):
                     await inst.sock.send(ping, zmq.NOBLOCK)
             await asyncio.sleep(self.health_interval_s)
+
+    async def _renewer(self) -> None:
+        """Renews, a third of a lease after the last renewal, the reservations whose state is
+        still on its way (prefill queued, computing or pushing): one ``renew`` per decode instance.
+        A lease thus bounds the time without word from the gateway, not the prefill's compute time."""
+        while True:
+            await asyncio.sleep(min(1.0, self.lease_s / 3))
+            now, due = time.monotonic(), {}
+            for rid, leg in self._legs.items():
+                if leg.awaits_state and now - leg.renewed_at >= leg.lease_s / 3:
+                    leg.renewed_at = now
+                    due.setdefault(leg.decode.addr, (leg.decode, []))[1].append(rid)
+            for inst, rids in due.values():
+                with contextlib.suppress(zmq.Again, zmq.ZMQError):
+                    await inst.sock.send(pack({"op": "renew", "rids": rids}), zmq.NOBLOCK)
 
     async def _monitor(self, inst: Instance, mon) -> None:
         failed = 0                                  # connections dropped before a handshake completed
@@ -269,31 +286,34 @@ class PDBackend:
         if dec is None or self._pick("prefill") is None:
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
         leg = Leg(rid, dec)
-        self._streams[rid] = leg.queue
+        self._streams[rid], self._legs[rid] = leg.queue, leg
         try:
             params = params_to_dict(req.params)
             dest = await self._reserve(leg, req, params)
             first, early = await self._prefill(leg, req, params, dest)
             leg.first_token()
             tok = first["id"]
-            yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
-                             len(req.prompt_ids), first.get("queue_s"))
             if first["done"]:                  # token #1 ended it: free decode's reservation now
                 leg.finished()
                 with contextlib.suppress(BackendError):
                     await self._send(dec, {"op": "abort", "rid": rid})
+            yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
+                             len(req.prompt_ids), first.get("queue_s"))
+            if first["done"]:
                 return
             pending = [("out", m) for m in early]
             while True:
                 op, msg = pending.pop(0) if pending else await self._next(leg, req.deadline)
                 ev = self._on_decode(leg, op, msg, len(req.prompt_ids))
                 if ev is not None:
+                    if ev.finished:            # before the yield: a consumer may close us there
+                        leg.finished()
                     yield ev
                     if ev.finished:
-                        leg.finished()
                         return
         finally:
             self._streams.pop(rid, None)
+            self._legs.pop(rid, None)
             for inst in leg.release():
                 with contextlib.suppress(BackendError):
                     await self._send(inst, {"op": "abort", "rid": rid})
@@ -318,6 +338,9 @@ class PDBackend:
             raise LegLost(f"decode instance {dec.addr}: {msg.get('message')}")
         if op != "reserved":
             raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
+        lease = msg.get("lease_s")                  # decode's (it keeps the shorter of its own and ours)
+        leg.lease_s = float(lease) if isinstance(lease, (int, float)) and lease > 0 else self.lease_s
+        leg.renewed_at = time.monotonic()
         return msg["state_addr"]
 
     async def _prefill(self, leg: Leg, req: GenRequest, params: dict, dest: str) -> tuple[dict, list[dict]]:

@@ -2,8 +2,10 @@
 arrives (verified, fenced), then decodes it in the running batch and streams token ids.
 
 ``reserve`` takes the state slots and a batch place under a lease (``lease_s``), or queues the
-sample (FIFO, at most ``max_queued``; beyond that 429) until running samples make room; if the state is
-not committed in time the reservation is freed and the transfer id is fenced, so a late write
+sample (FIFO, at most ``max_queued``; beyond that 429) until running samples make room. The gateway
+renews the leases of the reservations it still waits on (``renew``, every third of a lease), so a
+prefill queued or computing for minutes keeps its reservation; if a lease runs out (no word from
+the gateway, no commit) the reservation is freed and the transfer id is fenced, so a late write
 never lands. Every message is checked (``kvtransfer.receiver``: fingerprint, sizes, crc32) before
 a byte is written; a bad one fails the sample (``error`` to the gateway, ``nack`` to prefill).
 """
@@ -42,7 +44,7 @@ class DecodeWorker(Worker):
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
         self.want_lps: dict[str, bool] = {}
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
-        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, params, lease)
+        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, params, lease, arrival)
 
     def extra_load(self) -> dict:
         return {"state_addr": self.state_addr, "queued": len(self.queued)}
@@ -54,6 +56,9 @@ class DecodeWorker(Worker):
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
         op, rid = msg["op"], msg.get("rid")
+        if op == "renew":
+            self._renew(identity, msg.get("rids"))
+            return
         if not isinstance(rid, str):
             raise MessageError("rid: expected a string")
         if op == "reserve":
@@ -89,16 +94,25 @@ class DecodeWorker(Worker):
                 self.reply(identity, {"op": "error", "rid": rid, "status": 429,
                                       "message": f"decode is full and {len(self.queued)} samples wait: {e}"})
             else:
-                self.queued[rid] = (identity, prompt, params, float(lease))
+                self.queued[rid] = (identity, prompt, params, float(lease), time.monotonic())
                 self.owners[rid] = identity
                 self.track_deadline(rid, deadline_s)
             return
         self.track_deadline(rid, deadline_s)
+        self.metrics.queue.observe(0.0)
         self._reserved(identity, rid, prompt, params, float(lease))
+
+    def _renew(self, identity: bytes, rids) -> None:
+        """The gateway still waits for these reservations' state (their prefill is queued or
+        computing): each lease restarts. Ids not pending for this connection are ignored."""
+        if not isinstance(rids, list) or len(rids) > 1 << 16 or not all(isinstance(r, str) for r in rids):
+            raise MessageError("rids: expected a list of transfer ids")
+        for rid in rids:
+            self.table.renew(rid, identity)
 
     def _admit_queued(self) -> None:
         while self.queued:
-            rid, (identity, prompt, params, lease) = next(iter(self.queued.items()))
+            rid, (identity, prompt, params, lease, arrival) = next(iter(self.queued.items()))
             try:
                 self.engine.reserve(rid, prompt, params)
             except CacheFullError:
@@ -107,6 +121,7 @@ class DecodeWorker(Worker):
                 self.owners.pop(rid, None)
                 self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             else:
+                self.metrics.queue.observe(time.monotonic() - arrival)
                 self._reserved(identity, rid, prompt, params, lease)
             del self.queued[rid]
 
@@ -115,7 +130,7 @@ class DecodeWorker(Worker):
         self.owners[rid] = identity
         self.want_lps[rid] = params.logprobs is not None
         if not self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
-                                     "instance_id": self.instance_id}):
+                                     "instance_id": self.instance_id, "lease_s": lease}):
             self._abort(rid)                 # its gateway is gone: nobody will prefill it
 
     def _abort(self, rid: str, reason: str = "abort") -> None:
@@ -217,7 +232,8 @@ class DecodeWorker(Worker):
         secs = time.monotonic() - (pending.first_frame_time or time.monotonic())
         self.metrics.transfer_bytes.inc(pending.nbytes)
         self.metrics.transfer_time.observe(secs)
-        self.metrics.prompt_tokens.inc(pending.num_tokens)
+        self.metrics.prompt(pending.num_tokens, "kv_transfer")
+        self.metrics.reservation_wait.observe(time.monotonic() - pending.reserved_at)
         self.table.ack(peer, tid, pending.nbytes)
         self.transfers[tid] = {"bytes": pending.nbytes, "payload_bytes": pending.payload_bytes, "seconds": secs,
                                "num_tokens": pending.num_tokens, "layers_before_commit": len(pending.received)}

@@ -201,12 +201,23 @@ def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference,
         time.sleep(0.3)
         assert e.num_free_blocks() == total and not e.reserved
 
-        # 4. a reservation whose prefill never delivers: the lease frees it (504 to the gateway)
+        # 4. a reservation its gateway renews outlives its lease (a prefill may queue or compute for
+        # minutes); renewals from another connection do not count; once they stop, the lease frees
+        # it (504 to the gateway)
+        other = _Gateway(pd.decode.opts.port)
         gw.send({"op": "reserve", "rid": "lease-1", "prompt_ids": prompt, "params": params})
-        gw.recv(op="reserved")
+        assert gw.recv(op="reserved")["lease_s"] == 1.0
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            gw.send({"op": "renew", "rids": ["lease-1", "no-such-id"]})
+            other.send({"op": "renew", "rids": ["lease-1"]})
+            time.sleep(0.25)
+        assert "lease-1" in pd.decode.table.pending and e.reserved
+        t0 = time.monotonic()
         err = gw.recv(op="error", timeout_s=5)
-        assert err["rid"] == "lease-1" and err["status"] == 504
+        assert err["rid"] == "lease-1" and err["status"] == 504 and time.monotonic() - t0 < 1.5
         assert e.num_free_blocks() == total and not e.reserved
+        other.close()
 
         # 5. transfer ids are never reused
         gw.send({"op": "reserve", "rid": "lease-1", "prompt_ids": prompt, "params": params})
