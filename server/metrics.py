@@ -75,17 +75,29 @@ class WorkerMetrics:
                               registry=r).labels(*v)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled here (prefill) "
                                      "or received as state (decode)", lbl, registry=r).labels(*v)
+        self._by_source = Counter(PREFIX + "prompt_tokens_by_source", "Prompt tokens by where their state came "
+                                  "from: local_compute (prefilled here) or kv_transfer (received)",
+                                  lbl + ["source"], registry=r)
+        for source in ("local_compute", "kv_transfer"):
+            self._by_source.labels(*v, source)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sampled here", lbl,
                                          registry=r).labels(*v)
         self._success = Counter(PREFIX + "request_success", "Finished requests by finish reason",
                                 lbl + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
             self._success.labels(*v, reason)
-        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to first scheduled (s)",
-                               lbl, buckets=E2E_BUCKETS, registry=r).labels(*v)
-        self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds",
-                                      "Per request: first scheduled to token #1 sampled, the prefill (s)", lbl,
-                                      buckets=TTFT_BUCKETS, registry=r).labels(*v)
+        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Prefill: arrival to first scheduled; "
+                               "decode: reserve received to state slots reserved (s)", lbl, buckets=E2E_BUCKETS,
+                               registry=r).labels(*v)
+        if role == "prefill":
+            self.prefill_time = Histogram(PREFIX + "request_prefill_time_seconds",
+                                          "Per request: first scheduled to token #1 sampled, the prefill (s)", lbl,
+                                          buckets=TTFT_BUCKETS, registry=r).labels(*v)
+        else:
+            self.reservation_wait = Histogram(PREFIX + "request_reservation_wait_seconds",
+                                              "Per sample: state slots reserved to the transferred state "
+                                              "committed (prefill queue + compute + transfer) (s)", lbl,
+                                              buckets=E2E_BUCKETS, registry=r).labels(*v)
         self.transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV-state bytes sent (prefill) / received "
                                       "(decode)", lbl, registry=r).labels(*v)
         self.transfer_time = Histogram(PREFIX + "kv_transfer_latency_seconds",
@@ -97,6 +109,12 @@ class WorkerMetrics:
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(*self._v, finished_reason).inc()
+
+    def prompt(self, num_tokens: int, source: str) -> None:
+        """Count ``num_tokens`` prompt tokens; source: local_compute | kv_transfer (vLLM's
+        ``prompt_tokens_by_source``; ``cache_hit`` joins with prefix caching)."""
+        self.prompt_tokens.inc(num_tokens)
+        self._by_source.labels(*self._v, source).inc(num_tokens)
 
     def transfer_failure(self, cause: str) -> None:
         """cause: checksum | handshake | timeout | fenced | aborted | send | malformed."""

@@ -141,7 +141,7 @@ class PrefillWorker(Worker):
         m = self.metrics
         if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
             m.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
-        m.prompt_tokens.inc(job.num_tokens)
+        m.prompt(job.num_tokens, "local_compute")
         m.generation_tokens.inc()
         if out.queue_time_s is not None:
             m.queue.observe(out.queue_time_s)

@@ -92,11 +92,17 @@ def _scrape(url: str) -> dict[str, float]:
         m = re.match(r"^(dsv4:[a-z_]+_total)(\{[^}]*\})? (\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-            r = re.search(r'finished_reason="(\w+)"', m.group(2) or "")
+            r = re.search(r'(?:finished_reason|source)="(\w+)"', m.group(2) or "")
             if r:
                 key = f"{m.group(1)}[{r.group(1)}]"
                 out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
+
+
+def _histogram_count(text: str, name: str) -> float:
+    """The ``_count`` of histogram ``name`` in Prometheus text ``text`` (0 if absent)."""
+    m = re.search(rf"^{re.escape(name)}_count(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 def _delta(before, after, key):
@@ -109,6 +115,7 @@ def test_64_concurrent_streams_complete_and_metrics_add_up(cluster, reference):
                for n in torch.randint(20, 260, (64,), generator=g)]
     max_tokens = [int(x) for x in torch.randint(2, 7, (64,), generator=g)]
     before = {n: _scrape(u) for n, u in cluster.metrics_urls.items()}
+    before_text = {n: httpx.get(u, timeout=10).text for n, u in cluster.metrics_urls.items()}
     model = _model(cluster)
 
     async def run():
@@ -136,6 +143,7 @@ def test_64_concurrent_streams_complete_and_metrics_add_up(cluster, reference):
         assert usage.prompt_tokens == len(p) and usage.completion_tokens == len(ids)
     time.sleep(1.0)
     after = {n: _scrape(u) for n, u in cluster.metrics_urls.items()}
+    after_text = {n: httpx.get(u, timeout=10).text for n, u in cluster.metrics_urls.items()}
     P, G = sum(map(len, prompts)), sum(max_tokens)
     gw = lambda k: _delta(before["gateway"], after["gateway"], k)  # noqa: E731
     assert gw("dsv4:prompt_tokens_total") == P
@@ -150,6 +158,18 @@ def test_64_concurrent_streams_complete_and_metrics_add_up(cluster, reference):
     assert sum_(dec, "dsv4:generation_tokens_total") == G - 64
     assert sum_(dec, "dsv4:kv_transfer_bytes_total") > 0
     assert sum_(dec, "dsv4:kv_transfer_failures_total") == 0
+    # a finished sample is never aborted: each role's successes and transfers add up to the gateway's
+    for names in (pre, dec):
+        assert sum_(names, "dsv4:request_success_total") == sum_(names, "dsv4:request_success_total[length]") == 64
+        assert sum_(names, "dsv4:kv_transfer_failures_total") == 0
+    assert sum_(pre, "dsv4:kv_transfer_bytes_total") == sum_(dec, "dsv4:kv_transfer_bytes_total")
+    assert sum_(pre, "dsv4:prompt_tokens_by_source_total[local_compute]") == P
+    assert sum_(dec, "dsv4:prompt_tokens_by_source_total[kv_transfer]") == P
+    for names in (pre, dec):
+        assert sum(_histogram_count(after_text[n], "dsv4:kv_transfer_latency_seconds")
+                   - _histogram_count(before_text[n], "dsv4:kv_transfer_latency_seconds") for n in names) == 64
+    assert sum(_histogram_count(after_text[n], "dsv4:request_reservation_wait_seconds")
+               - _histogram_count(before_text[n], "dsv4:request_reservation_wait_seconds") for n in dec) == 64
     used = {n: _delta(before[n], after[n], "dsv4:prompt_tokens_total") for n in pre + dec}
     assert all(used.values()), f"least-loaded routing should use every instance: {used}"
 
