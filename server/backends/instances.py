@@ -35,6 +35,7 @@ class Instance:
     connected: bool = False           # ZMTP handshake done and heartbeats answered
     instance_id: str | None = None    # of the process behind addr (a new one: it restarted)
     legs: set[str] = field(default_factory=set)     # transfer ids with a leg here
+    pending_aborts: dict[str, None] = field(default_factory=dict)   # to send when it reconnects (ordered)
 
     def healthy(self, max_unanswered: int) -> bool:
         return self.connected and bool(self.load.get("ready")) and self.unanswered <= max_unanswered

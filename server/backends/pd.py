@@ -56,13 +56,16 @@ class PDBackend:
         health_interval_s / health_timeout_s: ping period; pings unanswered for this long (a worker
             stuck inside one engine step) take the instance out of routing.
         max_retries: attempts after the first when an instance is lost before token #1.
+        reconnect_grace_s: how long a sample waits for a healthy instance of a role before 503 (a
+            connection blip reconnects within it; a dead instance's role-mates are taken at once).
         cluster_secret: the cluster's shared secret (None: plain ZMQ): CURVE to the workers.
     """
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str], lease_s: float = 60.0,
                  queue_timeout_s: float = 600.0, first_token_timeout_s: float = 600.0,
                  token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0,
-                 worker_timeout_s: float = 5.0, max_retries: int = 2, cluster_secret: str | None = None):
+                 worker_timeout_s: float = 5.0, max_retries: int = 2, reconnect_grace_s: float = 5.0,
+                 cluster_secret: str | None = None):
         if not prefill_addrs or not decode_addrs:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
         if worker_timeout_s <= 0:
@@ -74,7 +77,7 @@ class PDBackend:
         self.lease_s, self.queue_timeout_s = lease_s, queue_timeout_s
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
-        self.max_retries = max_retries
+        self.max_retries, self.reconnect_grace_s = max_retries, reconnect_grace_s
         self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
         self._streams: dict[str, asyncio.Queue] = {}
         self._legs: dict[str, Leg] = {}          # attempts in flight, by transfer id (lease renewal)
@@ -174,6 +177,7 @@ class PDBackend:
                 if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     inst.connected, failed = True, 0
                     log.info("gateway: %s %s connected", inst.role, inst.addr)
+                    await self._reconnected(inst)
                 elif e == zmq.EVENT_DISCONNECTED and inst.connected:
                     inst.connected = False
                     inst.load = {}                  # ready again only when it answers a ping
@@ -186,6 +190,24 @@ class PDBackend:
                                   "dsv4-pd worker", inst.role, inst.addr)
         finally:
             mon.close(0)
+
+    async def _reconnected(self, inst: Instance) -> None:
+        """A (re)connected instance: the aborts it missed while away are sent now (no orphaned
+        work there), and a ping at once, so samples waiting for it need not wait a ping period."""
+        aborts, inst.pending_aborts = inst.pending_aborts, {}
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            for rid in aborts:
+                await inst.sock.send(pack({"op": "abort", "rid": rid}), zmq.NOBLOCK)
+            await inst.sock.send(pack({"op": "ping"}), zmq.NOBLOCK)
+
+    async def _abort(self, inst: Instance, rid: str) -> None:
+        """Abort ``rid`` on ``inst``; one that cannot be sent now (disconnected) is sent on reconnect."""
+        try:
+            await self._send(inst, {"op": "abort", "rid": rid})
+        except BackendError:
+            inst.pending_aborts[rid] = None
+            while len(inst.pending_aborts) > 1 << 16:          # the oldest are the least likely still running
+                del inst.pending_aborts[next(iter(inst.pending_aborts))]
 
     def _lose(self, inst: Instance, why: str) -> None:
         legs, inst.legs = inst.legs, set()
@@ -233,6 +255,13 @@ class PDBackend:
     def _pick(self, role: str) -> Instance | None:
         ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)]
         return min(ok, key=Instance.score) if ok else None
+
+    async def _pick_within(self, role: str) -> Instance | None:
+        """``_pick(role)``, waiting up to ``reconnect_grace_s`` for one to become healthy."""
+        end = time.monotonic() + self.reconnect_grace_s
+        while (inst := self._pick(role)) is None and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return inst
 
     async def _send(self, inst: Instance, msg: dict) -> None:
         try:
@@ -282,8 +311,8 @@ class PDBackend:
     async def _sample(self, req: GenRequest, rid: str) -> AsyncIterator[TokenEvent]:
         """One attempt under transfer id ``rid``. Raises LegLost before its first event if an instance
         of its legs is lost, BackendError otherwise."""
-        dec = self._pick("decode")
-        if dec is None or self._pick("prefill") is None:
+        dec = await self._pick_within("decode")
+        if dec is None or await self._pick_within("prefill") is None:
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
         leg = Leg(rid, dec)
         self._streams[rid], self._legs[rid] = leg.queue, leg
@@ -295,8 +324,7 @@ class PDBackend:
             tok = first["id"]
             if first["done"]:                  # token #1 ended it: free decode's reservation now
                 leg.finished()
-                with contextlib.suppress(BackendError):
-                    await self._send(dec, {"op": "abort", "rid": rid})
+                await self._abort(dec, rid)
             yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
                              len(req.prompt_ids), first.get("queue_s"))
             if first["done"]:
@@ -315,8 +343,7 @@ class PDBackend:
             self._streams.pop(rid, None)
             self._legs.pop(rid, None)
             for inst in leg.release():
-                with contextlib.suppress(BackendError):
-                    await self._send(inst, {"op": "abort", "rid": rid})
+                await self._abort(inst, rid)
 
     @staticmethod
     def _left(deadline: float | None) -> dict:
@@ -347,7 +374,7 @@ class PDBackend:
         """PREFILLING: the least-loaded prefill instance (chosen now, when the state has a place)
         computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
         ``out`` messages that overtook it (two sockets). Raises LegLost / BackendError."""
-        pre = self._pick("prefill")
+        pre = await self._pick_within("prefill")
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.lease_s <= 3600:
         die(f"launch-pd: --lease-s: {args.lease_s} must be in (0, 3600] seconds")
     for name, lo, hi in (("worker_timeout_s", 0.1, 3600), ("drain_timeout_s", 0, 86400),
-                         ("request_timeout_s", 0, 1e7), ("transfer_timeout_s", 0.1, 3600)):
+                         ("request_timeout_s", 0, 1e7), ("transfer_timeout_s", 0.1, 3600),
+                         ("reconnect_grace_s", 0, 3600)):
         v = getattr(args, name)
         if not lo <= v <= hi:
             die(f"launch-pd: --{name.replace('_', '-')}: {v} must be in [{lo:g}, {hi:g}] seconds")

@@ -162,7 +162,8 @@ def run_gateway(args) -> int:
         die(f"launch-pd: --prefill-addrs / --decode-addrs: {e}")
     tokenizer = Tokenizer(model_dir)
     backend = PDBackend(pre, dec, lease_s=args.lease_s, worker_timeout_s=args.worker_timeout_s,
-                        max_retries=args.max_retries, cluster_secret=cluster_secret(args))
+                        max_retries=args.max_retries, reconnect_grace_s=args.reconnect_grace_s,
+                        cluster_secret=cluster_secret(args))
     keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]
     if any(not k.strip() or k != k.strip() for k in keys):
         die("launch-pd: --api-key / DSV4_API_KEY: a key must be non-empty, without surrounding spaces")
@@ -195,7 +196,8 @@ def run_local(args) -> int:
                  "transfer_timeout_s", "max_retries"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
-    gw = extra + ["--lease-s", str(args.lease_s), "--default-thinking", args.default_thinking] + (
+    gw = extra + ["--lease-s", str(args.lease_s), "--reconnect-grace-s", str(args.reconnect_grace_s),
+                  "--default-thinking", args.default_thinking] + (
         ["--served-model-name", args.served_model_name] if args.served_model_name else [])
     if args.api_key:                           # to the gateway child by environment (argv is public)
         os.environ["DSV4_API_KEY"] = ",".join(args.api_key)
