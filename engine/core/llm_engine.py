@@ -104,39 +104,47 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    hold_state: bool = False) -> None:
+                    hold_state: bool = False, output_ids: list[int] = ()) -> None:
         """Queue a request. Raises RequestError naming the bad field (nothing is held then).
 
         ``hold_state`` (prefill role): when it finishes normally its decode state stays in the
-        pools for ``export_state`` until ``release``.
+        pools for ``export_state`` until ``release``. ``output_ids``: tokens this sample already
+        generated elsewhere (a stream migrated off a lost decode): computed with the prompt and
+        counted as outputs (penalties, ``max_new_tokens``, the sampler's positions), so the next
+        token is the one an undisturbed run samples.
         """
-        self._check_new(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), hold_state=hold_state)
+        self._check_new(request_id, prompt_ids, params, output_ids)
+        seq = Sequence(request_id, list(prompt_ids), params.with_seed(), hold_state=hold_state,
+                       output_ids=list(output_ids))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                   output_ids: list[int] = ()) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise RequestError(f"request_id: must be a non-empty string, got {request_id!r}")
         if (request_id in self.seqs or request_id in self.held or request_id in self.reserved
                 or any(o.request_id == request_id for o in self._finished_out)):
             raise RequestError(f"request_id: {request_id!r} is in use (queued, running, held or finishing)")
-        if not isinstance(prompt_ids, (list, tuple)):
-            raise RequestError(f"prompt: must be a list of token ids, got {type(prompt_ids).__name__}")
-        if not prompt_ids:
-            raise RequestError("prompt: must contain at least one token")
-        V = self.model.args.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)), None)
-        if bad is not None:
-            raise RequestError(f"prompt: token ids must be Python ints, got {type(bad).__name__} {bad!r}")
-        bad = next((t for t in prompt_ids if not 0 <= t < V), None)
-        if bad is not None:
-            raise RequestError(f"prompt: token id {bad} is not in [0, {V})")
-        if len(prompt_ids) >= self.limits.max_model_len:
-            raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within the context "
-                               f"limit max_model_len={self.limits.max_model_len}")
         if not isinstance(params, SamplingParams):
             raise RequestError("sampling_params: must be a SamplingParams")
+        V = self.model.args.vocab_size
+        for name, ids in (("prompt", prompt_ids), ("output_ids", output_ids)):
+            if not isinstance(ids, (list, tuple)):
+                raise RequestError(f"{name}: must be a list of token ids, got {type(ids).__name__}")
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise RequestError(f"{name}: token ids must be Python ints, got {type(bad).__name__} {bad!r}")
+            bad = next((t for t in ids if not 0 <= t < V), None)
+            if bad is not None:
+                raise RequestError(f"{name}: token id {bad} is not in [0, {V})")
+        if not prompt_ids:
+            raise RequestError("prompt: must contain at least one token")
+        if len(prompt_ids) + len(output_ids) >= self.limits.max_model_len:
+            raise RequestError(f"prompt: {len(prompt_ids) + len(output_ids)} tokens leave no room to generate "
+                               f"within the context limit max_model_len={self.limits.max_model_len}")
+        if len(output_ids) >= params.max_new_tokens:
+            raise RequestError(f"output_ids: {len(output_ids)} tokens already reach max_new_tokens")
 
     # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
     def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
@@ -157,25 +165,28 @@ class LLMEngine:
         self.executor.free(request_id)
         return True
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                output_ids: list[int] = ()) -> None:
         """Decode role: take the state slots and a batch place for a request prefilled elsewhere,
         before its prefill runs (its state then lands in place: ``load_state`` + ``commit``).
 
-        Holds blocks for L + 1 + ``num_reserved_decode_tokens`` tokens (capped at max_model_len).
+        Holds blocks for L + 1 + ``num_reserved_decode_tokens`` tokens (capped at max_model_len),
+        L = prompt + ``output_ids`` (a migrated stream's tokens so far, as in ``add_request``).
         Raises:
             RequestError: a bad field (``params.seed`` must be set: prefill samples with it).
             CacheFullError: no room (state blocks, or ``batch_size`` places); nothing is held then.
         """
-        self._check_new(request_id, prompt_ids, params)
+        self._check_new(request_id, prompt_ids, params, output_ids)
         if request_id in self.reserved:
             raise RequestError(f"request_id: {request_id!r} is already reserved")
         if params.seed is None:
             raise RequestError("sampling_params.seed: must be the seed prefill samples with")
         if len(self.scheduler.running) + len(self.reserved) >= self.limits.batch_size:
             raise CacheFullError(f"batch full: {self.limits.batch_size} requests running or reserved")
-        L = len(prompt_ids)
+        L = len(prompt_ids) + len(output_ids)
         self.executor.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
-        self.reserved[request_id] = Sequence(request_id, list(prompt_ids), params, num_computed=L)
+        self.reserved[request_id] = Sequence(request_id, list(prompt_ids), params, output_ids=list(output_ids),
+                                             num_computed=L)
         self.scheduler.num_reserved = len(self.reserved)
 
     def load_state(self, request_id: str, tensors: dict[str, torch.Tensor], layers: list[int] | None = None) -> None:
@@ -187,7 +198,7 @@ class LLMEngine:
         """
         seq = self.reserved[request_id]
         try:
-            self.executor.load_state(request_id, len(seq.prompt_ids), tensors, layers)
+            self.executor.load_state(request_id, seq.num_computed, tensors, layers)
         except ValueError as e:
             raise RequestError(f"state: {e}") from None
 
@@ -287,7 +298,7 @@ class LLMEngine:
         hook = None
         if self.on_layer_final is not None:
             done = [(s.seq_id, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)
-                    if s.hold_state and not s.output_ids and s.num_computed + n == len(s.prompt_ids)]
+                    if s.hold_state and s.num_computed + n == s.num_tokens]
             if done:
                 cb = self.on_layer_final
                 hook = lambda layer: cb(layer, done)  # noqa: E731 - this step's finishing prompts
