@@ -23,6 +23,14 @@ class LegLost(Exception):
     may be retried under a new transfer id."""
 
 
+class LostMidStream(BackendError):
+    """An instance of the attempt died or restarted after token #1 reached the client: the sample
+    may continue on another pair from the tokens delivered so far (a migration)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, 502)
+
+
 class LegState(enum.Enum):
     RESERVING = 1      # ``reserve`` sent to decode; waiting for its reservation
     PREFILLING = 2     # ``prefill`` sent with the reservation as destination; waiting for token #1
@@ -90,9 +98,9 @@ class Leg:
 
     def lost(self, msg: dict) -> Exception:
         """The exception for a ``lost`` event (``{"role", "addr", "why"}``): LegLost (retry) before
-        token #1 was delivered, BackendError 502 after."""
+        token #1 was delivered, LostMidStream (migrate, else 502) after."""
         what = f"{msg['role']} instance {msg['addr']} {msg['why']}"
-        return BackendError(what + " mid-stream", 502) if self.delivered else LegLost(what)
+        return LostMidStream(what + " mid-stream") if self.delivered else LegLost(what)
 
     def release(self) -> list[Instance]:
         """Take the leg off its instances. Returns the instances to send ``abort`` to: both (once

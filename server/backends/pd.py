@@ -19,8 +19,10 @@ Two health signals per instance:
   address restarted: legs on the old process are lost.
 
 A sample whose prefill or decode instance is lost before token #1 reaches the client is retried
-from the reservation on (a new transfer id, ``max_retries`` times); after token #1 it ends with
-an error event (a decode that dies mid-stream cannot be resumed without recomputing).
+from the reservation on (a new transfer id, ``max_retries`` times). After token #1 it *migrates*
+(``max_migrations`` times, then an error event): a new pair prefills prompt + the tokens delivered
+so far and samples on at the same positions with the same seed, so the stream carries exactly the
+tokens an undisturbed run gives (Dynamo's request migration, made exact by the per-position draws).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 from kvtransfer.secure import cluster_keys, secure_client
 from server.backends.base import BackendError, GenRequest, TokenEvent
 from server.backends.instances import Instance
-from server.backends.leg import Leg, LegLost, LegState
+from server.backends.leg import Leg, LegLost, LegState, LostMidStream
 from server.workers.rpc import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class PDBackend:
         health_interval_s / health_timeout_s: ping period; pings unanswered for this long (a worker
             stuck inside one engine step) take the instance out of routing.
         max_retries: attempts after the first when an instance is lost before token #1.
+        max_migrations: times a sample whose decode (or prefill, before the commit) is lost after
+            token #1 continues on another pair from the tokens delivered so far.
         reconnect_grace_s: how long a sample waits for a healthy instance of a role before 503 (a
             connection blip reconnects within it; a dead instance's role-mates are taken at once).
         cluster_secret: the cluster's shared secret (None: plain ZMQ): CURVE to the workers.
@@ -64,7 +68,8 @@ class PDBackend:
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str], lease_s: float = 60.0,
                  queue_timeout_s: float = 600.0, first_token_timeout_s: float = 600.0,
                  token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0,
-                 worker_timeout_s: float = 5.0, max_retries: int = 2, reconnect_grace_s: float = 5.0,
+                 worker_timeout_s: float = 5.0, max_retries: int = 2, max_migrations: int = 1,
+                 reconnect_grace_s: float = 5.0,
                  cluster_secret: str | None = None):
         if not prefill_addrs or not decode_addrs:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
@@ -77,12 +82,12 @@ class PDBackend:
         self.lease_s, self.queue_timeout_s = lease_s, queue_timeout_s
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
-        self.max_retries, self.reconnect_grace_s = max_retries, reconnect_grace_s
+        self.max_retries, self.max_migrations, self.reconnect_grace_s = max_retries, max_migrations, reconnect_grace_s
         self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
         self._streams: dict[str, asyncio.Queue] = {}
         self._legs: dict[str, Leg] = {}          # attempts in flight, by transfer id (lease renewal)
         self._tasks: list[asyncio.Task] = []
-        self.counters = {"retries": 0, "lost_legs": 0}
+        self.counters = {"retries": 0, "migrations": 0, "lost_legs": 0}
 
     def _connect(self, role: str, addr: str) -> Instance:
         s = self.ctx.socket(zmq.DEALER)
@@ -291,42 +296,53 @@ class PDBackend:
             pack({"prompt_ids": req.prompt_ids, "params": params_to_dict(req.params)})
         except (OverflowError, ValueError, TypeError) as e:     # e.g. an integer beyond 64 bits
             raise BackendError(f"a request field does not fit the worker protocol: {e}", 400) from None
-        attempt = 0
+        attempt = migrations = 0
+        done: list[int] = []            # tokens delivered: a migration continues after them
         while True:
             tid = req.request_id if attempt == 0 else f"{req.request_id}~retry{attempt}"   # ids never reused
-            inner = self._sample(req, tid)
+            inner = self._sample(req, tid, done)
             try:
                 async for ev in inner:
+                    done += ev.token_ids
                     yield ev
                 return
             except LegLost as e:
                 attempt += 1
-                if attempt > self.max_retries:
+                if attempt > self.max_retries + migrations:
                     raise BackendError(f"{e} (gave up after {attempt} attempts)", 502) from None
                 self.counters["retries"] += 1
                 log.warning("gateway: sample %s: %s; retrying (attempt %d)", req.request_id, e, attempt + 1)
+            except LostMidStream as e:
+                migrations += 1
+                if migrations > self.max_migrations:
+                    raise BackendError(str(e), 502) from None
+                attempt += 1
+                self.counters["migrations"] += 1
+                log.warning("gateway: sample %s: %s; continuing after its %d tokens on another pair",
+                            req.request_id, e, len(done))
             finally:
                 await inner.aclose()
 
-    async def _sample(self, req: GenRequest, rid: str) -> AsyncIterator[TokenEvent]:
-        """One attempt under transfer id ``rid``. Raises LegLost before its first event if an instance
-        of its legs is lost, BackendError otherwise."""
+    async def _sample(self, req: GenRequest, rid: str, done: list[int]) -> AsyncIterator[TokenEvent]:
+        """One attempt under transfer id ``rid``, continuing after the tokens ``done`` (a migration:
+        both workers compute prompt + ``done`` and sample on from there). Raises LegLost before its
+        first event if an instance of its legs is lost, LostMidStream after, BackendError otherwise."""
         dec = await self._pick_within("decode")
         if dec is None or await self._pick_within("prefill") is None:
             raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
         leg = Leg(rid, dec)
         self._streams[rid], self._legs[rid] = leg.queue, leg
         try:
-            params = params_to_dict(req.params)
-            dest = await self._reserve(leg, req, params)
-            first, early = await self._prefill(leg, req, params, dest)
+            fields = {"params": params_to_dict(req.params), **({"output_ids": list(done)} if done else {})}
+            dest = await self._reserve(leg, req, fields)
+            first, early = await self._prefill(leg, req, fields, dest)
             leg.first_token()
             tok = first["id"]
             if first["done"]:                  # token #1 ended it: free decode's reservation now
                 leg.finished()
                 await self._abort(dec, rid)
             yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
-                             len(req.prompt_ids), first.get("queue_s"))
+                             len(req.prompt_ids), None if done else first.get("queue_s"))
             if first["done"]:
                 return
             pending = [("out", m) for m in early]
@@ -350,11 +366,11 @@ class PDBackend:
         """``{"deadline_s": seconds the sample may still run}`` for a worker message ({}: no deadline)."""
         return {} if deadline is None else {"deadline_s": max(0.001, deadline - time.monotonic())}
 
-    async def _reserve(self, leg: Leg, req: GenRequest, params: dict) -> str:
+    async def _reserve(self, leg: Leg, req: GenRequest, fields: dict) -> str:
         """RESERVING: decode reserves the sample's state. Returns the reservation's state address.
         Raises LegLost (decode lost, or draining), BackendError (decode refused: its status)."""
         dec = leg.decode
-        await self._send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, "params": params,
+        await self._send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
                                "lease_s": self.lease_s, **self._left(req.deadline)})
         op, msg = await self._get(leg.queue, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
                                   req.deadline)
@@ -370,7 +386,7 @@ class PDBackend:
         leg.renewed_at = time.monotonic()
         return msg["state_addr"]
 
-    async def _prefill(self, leg: Leg, req: GenRequest, params: dict, dest: str) -> tuple[dict, list[dict]]:
+    async def _prefill(self, leg: Leg, req: GenRequest, fields: dict, dest: str) -> tuple[dict, list[dict]]:
         """PREFILLING: the least-loaded prefill instance (chosen now, when the state has a place)
         computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
         ``out`` messages that overtook it (two sockets). Raises LegLost / BackendError."""
@@ -378,7 +394,7 @@ class PDBackend:
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)
-        await self._send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, "params": params,
+        await self._send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
                                "dest": dest, **self._left(req.deadline)})
         early = []
         while True:

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, name)
         if not lo <= v <= hi:
             die(f"launch-pd: --{name.replace('_', '-')}: {v} must be in [{lo:g}, {hi:g}] seconds")
-    for name, lo in (("max_pending", 1), ("max_queued", 0), ("max_retries", 0)):
+    for name, lo in (("max_pending", 1), ("max_queued", 0), ("max_retries", 0), ("max_migrations", 0)):
         if getattr(args, name) < lo:
             die(f"launch-pd: --{name.replace('_', '-')}: {getattr(args, name)} must be >= {lo}")
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {args.role} %(levelname)s %(message)s")

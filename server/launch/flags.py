@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prefill: commit sent -> decode's acknowledgement (s)")
     p.add_argument("--max-retries", type=int, default=2,
                    help="gateway: retries of a sample whose prefill / decode instance is lost before token #1")
+    p.add_argument("--max-migrations", type=int, default=1,
+                   help="gateway: times a stream whose decode is lost after token #1 continues on another "
+                        "pair, exactly (0: it ends with an error event)")
     p.add_argument("--reconnect-grace-s", type=float, default=5.0,
                    help="gateway: how long a sample waits for a healthy prefill / decode instance (a "
                         "connection blip reconnecting) before 503 (s)")

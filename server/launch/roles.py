@@ -162,7 +162,8 @@ def run_gateway(args) -> int:
         die(f"launch-pd: --prefill-addrs / --decode-addrs: {e}")
     tokenizer = Tokenizer(model_dir)
     backend = PDBackend(pre, dec, lease_s=args.lease_s, worker_timeout_s=args.worker_timeout_s,
-                        max_retries=args.max_retries, reconnect_grace_s=args.reconnect_grace_s,
+                        max_retries=args.max_retries, max_migrations=args.max_migrations,
+                        reconnect_grace_s=args.reconnect_grace_s,
                         cluster_secret=cluster_secret(args))
     keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]
     if any(not k.strip() or k != k.strip() for k in keys):
@@ -193,7 +194,7 @@ def run_local(args) -> int:
         die(f"launch-pd: {e}")
     extra = ["--device", device, "--log-level", args.log_level]
     for name in ("worker_timeout_s", "drain_timeout_s", "request_timeout_s", "max_pending", "max_queued",
-                 "transfer_timeout_s", "max_retries"):
+                 "transfer_timeout_s", "max_retries", "max_migrations"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
     gw = extra + ["--lease-s", str(args.lease_s), "--reconnect-grace-s", str(args.reconnect_grace_s),

@@ -42,9 +42,9 @@ class DecodeWorker(Worker):
         self.table = TransferReceiver(self.receiver, self.fingerprint, len(engine.model.layers),
                                       f"decode instance {self.instance_id}")
         self.owners: dict[str, bytes] = {}       # rid -> gateway connection
-        self.want_lps: dict[str, bool] = {}
+        self.emit: dict[str, tuple[bool, int]] = {}   # rid -> (logprobs wanted, outputs made before decode)
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
-        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, params, lease, arrival)
+        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, outs, params, lease, arrival)
 
     def extra_load(self) -> dict:
         return {"state_addr": self.state_addr, "queued": len(self.queued)}
@@ -74,6 +74,7 @@ class DecodeWorker(Worker):
 
     def _reserve(self, identity: bytes, rid: str, msg: dict) -> None:
         prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
+        outs = check_ids(msg.get("output_ids", []), "output_ids")     # a migrated stream's tokens so far
         lease = msg.get("lease_s", self.opts.lease_s)
         if not isinstance(lease, (int, float)) or not 0 < lease <= 3600:
             raise MessageError("lease_s: expected seconds in (0, 3600]")
@@ -85,7 +86,7 @@ class DecodeWorker(Worker):
                 raise RequestError(f"rid: {rid!r} was already used (transfer ids are never reused)")
             if self.queued:                            # FIFO: nobody overtakes the queue
                 raise CacheFullError("queue not empty")
-            self.engine.reserve(rid, prompt, params)
+            self.engine.reserve(rid, prompt, params, outs)
         except (RequestError, SamplingError) as e:
             self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             return
@@ -94,13 +95,13 @@ class DecodeWorker(Worker):
                 self.reply(identity, {"op": "error", "rid": rid, "status": 429,
                                       "message": f"decode is full and {len(self.queued)} samples wait: {e}"})
             else:
-                self.queued[rid] = (identity, prompt, params, float(lease), time.monotonic())
+                self.queued[rid] = (identity, prompt, outs, params, float(lease), time.monotonic())
                 self.owners[rid] = identity
                 self.track_deadline(rid, deadline_s)
             return
         self.track_deadline(rid, deadline_s)
         self.metrics.queue.observe(0.0)
-        self._reserved(identity, rid, prompt, params, float(lease))
+        self._reserved(identity, rid, prompt, outs, params, float(lease))
 
     def _renew(self, identity: bytes, rids) -> None:
         """The gateway still waits for these reservations' state (their prefill is queued or
@@ -112,9 +113,9 @@ class DecodeWorker(Worker):
 
     def _admit_queued(self) -> None:
         while self.queued:
-            rid, (identity, prompt, params, lease, arrival) = next(iter(self.queued.items()))
+            rid, (identity, prompt, outs, params, lease, arrival) = next(iter(self.queued.items()))
             try:
-                self.engine.reserve(rid, prompt, params)
+                self.engine.reserve(rid, prompt, params, outs)
             except CacheFullError:
                 return
             except RequestError as e:
@@ -122,13 +123,14 @@ class DecodeWorker(Worker):
                 self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             else:
                 self.metrics.queue.observe(time.monotonic() - arrival)
-                self._reserved(identity, rid, prompt, params, lease)
+                self._reserved(identity, rid, prompt, outs, params, lease)
             del self.queued[rid]
 
-    def _reserved(self, identity: bytes, rid: str, prompt: list[int], params, lease: float) -> None:
-        self.table.expect(rid, len(prompt), lease, identity)
+    def _reserved(self, identity: bytes, rid: str, prompt: list[int], outs: list[int], params,
+                  lease: float) -> None:
+        self.table.expect(rid, len(prompt) + len(outs), lease, identity)
         self.owners[rid] = identity
-        self.want_lps[rid] = params.logprobs is not None
+        self.emit[rid] = (params.logprobs is not None, len(outs) + 1)     # + token #1 from prefill
         if not self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
                                      "instance_id": self.instance_id, "lease_s": lease}):
             self._abort(rid)                 # its gateway is gone: nobody will prefill it
@@ -141,7 +143,7 @@ class DecodeWorker(Worker):
             return
         if self.owners.pop(rid, None) is not None:
             self.metrics.success(reason)
-        self.want_lps.pop(rid, None)
+        self.emit.pop(rid, None)
         if self.table.retire(rid) is not None:
             self.engine.unreserve(rid)
         else:
@@ -153,7 +155,7 @@ class DecodeWorker(Worker):
         self.metrics.transfer_failure(cause)
         self.metrics.success("error")
         owner = self.owners.pop(rid, None)
-        self.want_lps.pop(rid, None)
+        self.emit.pop(rid, None)
         if owner is not None:
             self.reply(owner, {"op": "error", "rid": rid, "status": 502 if cause != "timeout" else 504,
                                "message": f"state transfer failed ({cause}): {message}"})
@@ -211,7 +213,7 @@ class DecodeWorker(Worker):
         elif act.kind == "cancel":
             self.engine.unreserve(tid)
             self.owners.pop(tid, None)
-            self.want_lps.pop(tid, None)
+            self.emit.pop(tid, None)
         elif act.kind == "load":
             try:
                 self.engine.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
@@ -248,15 +250,18 @@ class DecodeWorker(Worker):
             owner = self.owners.get(rid)
             if owner is None:
                 continue
-            ids = list(out.new_token_ids) if out.num_output_tokens > 1 else []   # token #1 came from prefill
-            lps = pack_sampled(out.new_logprobs[-len(ids):] if ids else []) if self.want_lps.get(rid) else None
+            want_lps, before = self.emit.get(rid, (False, 1))
+            # tokens up to ``before`` came from prefill (and from the decode a migrated stream lost)
+            fresh = max(0, min(len(out.new_token_ids), out.num_output_tokens - before))
+            ids = list(out.new_token_ids[len(out.new_token_ids) - fresh:])
+            lps = pack_sampled(out.new_logprobs[-len(ids):] if ids else []) if want_lps else None
             reason = out.finish_reason.value if out.finish_reason is not None else None
             batches[owner].append({"rid": rid, "ids": ids, "lps": lps, "done": out.finished, "reason": reason})
             self.metrics.generation_tokens.inc(len(ids))
             if out.finished:
                 self.metrics.success(reason)
                 self.owners.pop(rid, None)
-                self.want_lps.pop(rid, None)
+                self.emit.pop(rid, None)
         for owner, items in batches.items():
             if not self.reply(owner, {"op": "out", "items": items}):
                 self._owner_gone(owner)

@@ -30,7 +30,8 @@ class _Job:
     identity: bytes
     dest: str
     params: object
-    num_tokens: int
+    num_tokens: int                      # prompt + outputs before this prefill (the state's L)
+    num_before: int = 0                  # outputs a migrated stream had already delivered
     sent_layers: bool = False
     first_sent: bool = False
 
@@ -67,22 +68,25 @@ class PrefillWorker(Worker):
 
     def _prefill(self, identity: bytes, rid: str, msg: dict) -> None:
         prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
+        outs = check_ids(msg.get("output_ids", []), "output_ids")     # a migrated stream's tokens so far
         dest = msg.get("dest")
         if not isinstance(dest, str) or not dest:
             raise MessageError("dest: expected the decode reservation's state address")
         deadline_s = check_deadline(msg)
         try:
             params = params_from_dict(msg.get("params"))
-            one = dataclasses.replace(params, max_new_tokens=1)
+            one = dataclasses.replace(params, max_new_tokens=len(outs) + 1)    # one token past ``outs``
             if params.seed is None:
                 raise RequestError("params.seed: must be set (decode continues with it)")
             if rid in self.jobs:
                 raise RequestError(f"rid: {rid!r} is in use")
-            self.engine.add_request(rid, prompt, one, hold_state=True)
+            if len(outs) >= params.max_new_tokens:
+                raise RequestError(f"output_ids: {len(outs)} tokens already reach max_new_tokens")
+            self.engine.add_request(rid, prompt, one, hold_state=True, output_ids=outs)
         except (RequestError, SamplingError) as e:
             self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
             return
-        self.jobs[rid] = _Job(identity, dest, params, len(prompt))
+        self.jobs[rid] = _Job(identity, dest, params, len(prompt) + len(outs), len(outs))
         self.track_deadline(rid, deadline_s)
 
     def on_deadline(self, rid: str) -> None:
@@ -131,7 +135,7 @@ class PrefillWorker(Worker):
     def _first(self, out: RequestOutput, job: _Job) -> None:
         rid, tok, p = out.request_id, out.new_token_ids[0], job.params
         e = self.engine
-        reason = finish_reason(tok, 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
+        reason = finish_reason(tok, job.num_before + 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
                                   "reason": reason.value if reason else None, "queue_s": out.queue_time_s})

@@ -1,6 +1,6 @@
 """Faults with real ``launch-pd`` processes (2 prefill, 2 decode, gateway) on loopback: kill -9,
 restart behind the same address, SIGSTOP / SIGCONT. What the ``openai`` client sees is asserted
-(the right tokens after a retry, or a terminal error event within a bound), and afterwards every
+(the right tokens after a retry or a migration, or a terminal error event within a bound), and afterwards every
 worker holds no state (free blocks == total, nothing reserved) and serves again.
 
 The README's fault table lists these cases; the timeouts here are short (``--worker-timeout-s 2``).
@@ -148,27 +148,35 @@ class _InBackground:
         return self.value
 
 
-def test_decode_killed_mid_stream_gets_an_error_event_then_routing_recovers(cluster, reference):
+def test_decode_killed_mid_stream_streams_migrate_exactly(cluster, reference):
+    """kill -9 of a decode while 20 streams run on both: each stream it held continues on the other
+    pair (prompt + tokens so far re-prefilled, the sampler at the same positions, same seed), so
+    every client gets exactly the undisturbed tokens; then routing takes the restarted one back."""
     _wait_all_healthy(cluster)
-    seen = {"n": 0}
-    bg = _InBackground(lambda: _complete(cluster, _prompt(50, 1), 3000, 1, lambda n: seen.update(n=n)))
-    victim = _busy_worker(cluster, "decode")
-    while seen["n"] < 5:                          # mid-stream: tokens are flowing from decode
+    h0 = _health(cluster)
+    prompts = [_prompt(30 + i, 40 + i) for i in range(20)]
+    seen = [0] * 20
+
+    def note(i):
+        return lambda n: seen.__setitem__(i, n)
+    bgs = [_InBackground(lambda i=i: _complete(cluster, prompts[i], 12, i, note(i))) for i in range(20)]
+    end = time.monotonic() + 120
+    victim = None
+    while victim is None:                          # mid-stream: tokens flow from both decodes
+        assert time.monotonic() < end, "no decode was streaming"
+        busy = [n for n in ("decode0", "decode1") if cluster.ready(n)["running"]]
+        victim = busy[0] if len(busy) == 2 and sum(x >= 2 for x in seen) >= 4 else None
         time.sleep(0.01)
     t_kill = time.monotonic()
     cluster.signal(victim, signal.SIGKILL)
-    with pytest.raises(openai.APIError, match="decode instance .* mid-stream"):
-        bg.result()
-    print(f"\nkill -9 decode -> error event: {bg.done_at - t_kill:.3f} s")
-    assert bg.done_at - t_kill < WORKER_TIMEOUT_S + 3          # a terminal error event, soon
+    for i, bg in enumerate(bgs):
+        assert bg.result() == _expected(reference, prompts[i], 12, i), i
     h = _health(cluster)
-    assert len(h["healthy_decode"]) == 1 and h["lost_legs"] >= 1
-    # routed around the dead worker: the same answer as the in-process engine
-    prompt = _prompt(60, 2)
-    assert _complete(cluster, prompt, 6, 7) == _expected(reference, prompt, 6, 7)
-    # restarted behind the same address: the gateway takes it back once it is ready
-    _wait_all_healthy(cluster)
-    _wait_idle(cluster, [n for n in WORKERS if n != victim])
+    print(f"\nkill -9 decode: {h['migrations'] - h0['migrations']} streams migrated, all done "
+          f"{max(bg.done_at for bg in bgs) - t_kill:.2f} s after the kill")
+    assert h["migrations"] > h0["migrations"] and len(h["healthy_decode"]) == 1
+    _wait_all_healthy(cluster)                     # restarted behind the same address: taken back
+    _wait_idle(cluster)
 
 
 def test_prefill_killed_mid_prefill_is_retried_on_the_other(cluster, reference):
@@ -212,24 +220,25 @@ def test_decode_restarted_behind_its_address_while_prefill_holds_the_transfer(cl
     _wait_idle(cluster)
 
 
-def test_stopped_decode_times_out_then_recovers_after_sigcont(cluster, reference):
+def test_stopped_decode_mid_stream_migrates_then_recovers_after_sigcont(cluster, reference):
+    """SIGSTOP on the decode of a running stream: within --worker-timeout-s the gateway loses it and
+    the stream continues on the other pair with the exact tokens; after SIGCONT the stopped one
+    frees the sample (the abort it missed arrives when its gateway connection is back)."""
     _wait_all_healthy(cluster)
     seen = {"n": 0}
-    bg = _InBackground(lambda: _complete(cluster, _prompt(40, 6), 3000, 14, lambda n: seen.update(n=n)))
+    prompt = _prompt(40, 6)
+    bg = _InBackground(lambda: _complete(cluster, prompt, 40, 14, lambda n: seen.update(n=n)))
     victim = _busy_worker(cluster, "decode")
     while seen["n"] < 5:
         time.sleep(0.01)
     t_stop = time.monotonic()
     cluster.signal(victim, signal.SIGSTOP)
     try:
-        with pytest.raises(openai.APIError, match="decode instance"):
-            bg.result()
-        print(f"\nSIGSTOP decode -> error event: {bg.done_at - t_stop:.3f} s (worker timeout {WORKER_TIMEOUT_S} s)")
-        assert bg.done_at - t_stop < WORKER_TIMEOUT_S + 3
+        assert bg.result() == _expected(reference, prompt, 40, 14)
+        print(f"\nSIGSTOP decode -> stream done on the other pair {bg.done_at - t_stop:.3f} s later")
         _wait_idle(cluster, ["prefill0", "prefill1"])
     finally:
         cluster.signal(victim, signal.SIGCONT)
-    # it recovers: its gateway connection is gone, so it frees the sample; routing takes it back
     _wait_all_healthy(cluster)
     _wait_idle(cluster)
     prompt = _prompt(30, 8)
