@@ -62,7 +62,8 @@ class ZmqStateReceiver(StateReceiver):
         self.plane = plane or ReceiverPlane()
         self._stats = collections.Counter({k: 0 for k in ("messages", "bytes", "handshakes", "refused",
                                                           "dropped_malformed", "dropped_unknown_peer", "replies",
-                                                          "replies_dropped", "peers_pruned", *self.plane.counters)})
+                                                          "replies_dropped", "peers_pruned", "resumed",
+                                                          *self.plane.counters)})
         self._lock = threading.Lock()                  # peers, outbox, stats
         self._cond = threading.Condition(threading.Lock())   # delivered queue
         self._delivered: collections.deque = collections.deque()
@@ -79,6 +80,9 @@ class ZmqStateReceiver(StateReceiver):
         try:
             secure_server(sock, keys)   # before bind; starts the context's ZAP handler
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # senders set their own routing id: when libzmq reconnects one (a reset connection)
+            # the new connection takes that id over even if the dead one is not yet torn down here
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_control_bytes))
             sock.setsockopt(zmq.LINGER, linger_ms)
             if kind == "zmq-ipc":
@@ -375,6 +379,12 @@ class ZmqStateReceiver(StateReceiver):
         if reason:
             return self._refuse(rid, nonce, reason)
         sender_id = msg["sender_id"]
+        with self._lock:   # the same connection after a reconnect: keep the peer (and its dist pair)
+            cur = self._by_rid.get(rid)
+            resumed = cur is not None and cur.peer_id == sender_id and self._by_id.get(sender_id) is cur
+        if resumed:
+            self.count("resumed")
+            return self._welcome(cur, nonce)
         with self._lock:
             old = [p for p in (self._by_rid.pop(rid, None), self._by_id.get(sender_id)) if p is not None]
             for p in old:
@@ -391,13 +401,16 @@ class ZmqStateReceiver(StateReceiver):
             return self._refuse(rid, nonce, f"too many prefill peers (max_peers={self.limits.max_peers})")
         peer = Peer(sender_id, rid)
         try:
-            extra = self.plane.welcome(peer, msg)
+            peer.extra = self.plane.welcome(peer, msg)
         except Exception as e:
             return self._refuse(rid, nonce, f"decode side cannot set up the pair: {e}")
         with self._lock:
             self._by_rid[rid] = peer
             self._by_id[sender_id] = peer
             self._stats["handshakes"] += 1
-        welcome = {"op": "welcome", "v": PROTOCOL_VERSION, "receiver_id": self.receiver_id, "peer_id": sender_id,
-                   "nonce": nonce, "limits": self.limits.announce(), **self._mine(), **extra}
-        self._send_now(rid, TAG_CTL, pack_control(welcome, self.limits.max_control_bytes))
+        self._welcome(peer, nonce)
+
+    def _welcome(self, peer: Peer, nonce: str) -> None:
+        welcome = {"op": "welcome", "v": PROTOCOL_VERSION, "receiver_id": self.receiver_id, "peer_id": peer.peer_id,
+                   "nonce": nonce, "limits": self.limits.announce(), **self._mine(), **peer.extra}
+        self._send_now(peer.rid, TAG_CTL, pack_control(welcome, self.limits.max_control_bytes))
