@@ -137,3 +137,44 @@ def test_a_replaced_decode_fails_the_old_reservation_cleanly_and_serves_the_next
         assert new.stats["dropped_unknown_peer"] == 0
     finally:
         pusher.close()
+
+
+@pytest.mark.parametrize("kind", ["zmq-tcp", "zmq-ipc"])
+def test_a_reply_sent_while_the_sender_reconnects_arrives(net, kind, tmp_path):
+    """decode acks while the connection is down (ROUTER_MANDATORY: EHOSTUNREACH): the ack is
+    retried until libzmq has reconnected, not dropped (prefill would wait out its ack timeout)."""
+    kw, listen, _ = _addresses(kind, tmp_path)
+    rx = net.rx(kind, **kw)
+    relay = Relay(rx.address, listen)
+    net.items.append(relay)
+    tx = net.tx(kind)
+    tx.send(relay.address, encode_commit("a0", FP, 5, 7, NUM_LAYERS))
+    (peer, _), = rx.recv(10.0)
+    assert relay.reset() == 1
+    time.sleep(0.02)                             # the receiver saw the connection go; no new one yet
+    rx.reply(peer, {"op": "ack", "transfer_id": "a0"})
+    got, end = [], time.monotonic() + 10
+    while not got and time.monotonic() < end:
+        got = tx.poll_replies(0.2)
+    assert [m["transfer_id"] for _, m in got] == ["a0"]
+    assert rx.stats["replies"] == 1 and rx.stats["replies_dropped"] == 0
+
+
+def test_outbox_retries_an_unreachable_peer_in_order_then_gives_up():
+    from kvtransfer.transports.outbox import Outbox
+    box, up, sent = Outbox(grace_s=0.2), {b"a": False, b"b": True}, []
+
+    def send(rid, tag, payload):
+        if up[rid]:
+            sent.append(payload)
+        return up[rid]
+    for rid, payload in ((b"a", b"1"), (b"b", b"2"), (b"a", b"3")):
+        box.put(rid, b"R", payload)
+    assert box.flush(send) == [(b"R", True)] and sent == [b"2"] and len(box) == 2 and box.retrying
+    up[b"a"] = True
+    assert box.flush(send) == [(b"R", True)] * 2 and sent == [b"2", b"1", b"3"] and len(box) == 0
+    up[b"a"] = False
+    box.put(b"a", b"R", b"4")
+    box.flush(send)
+    time.sleep(0.25)
+    assert box.flush(send) == [(b"R", False)] and len(box) == 0   # grace over: dropped, counted
