@@ -29,7 +29,16 @@ Handshake (msgpack control messages on the ZMQ pair, before any state message):
 
 The receiver may later send ``{"op": "transport.reject", "v": 1, "reason", "transfer_id"}`` for a
 state message it dropped (no handshake, malformed, over a limit, dist pair failed); the sender
-surfaces it through ``poll_replies`` and handshakes again on its next ``send``. A sender's
+surfaces it through ``poll_replies`` and handshakes again on its next ``send``.
+
+Reconnects: a sender's DEALER has a routing id of its own per connection (random), and the
+receiver's ROUTER takes it over on a new TCP / unix connection (ROUTER_HANDOVER), so when libzmq
+reconnects a reset connection the receiver still knows the peer and nothing is rejected. The
+sender watches its socket (monitor: EVENT_DISCONNECTED) and, before its next state message after
+a drop, says hello again on the same socket (after what it already queued): the receiver that
+knew that routing id and sender_id answers the same welcome and keeps the peer (and its dist
+pair); another process there (a restarted decode) gets a fresh handshake, and a ``dest`` naming
+the old receiver fails. A sender's
 ``close`` sends ``{"op": "bye", "v": 1, "sender_id"}``: the receiver forgets it after delivering
 what is already under way. A hello whose sender_id is already connected supersedes that peer
 (a restarted prefill worker), so sender ids must be unique per live sender. When its peer table

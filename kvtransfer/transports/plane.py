@@ -17,23 +17,28 @@ from kvtransfer.interfaces import TAG_MSG, Delivered, Limits, check_message, fra
 class Connection:
     """One handshaked destination of a sender. ``dest``: the address as given; ``zdest``: its ZMQ
     endpoint; ``sock``: the DEALER socket; ``welcome``: the receiver's welcome; ``limits``: what it
-    announced; ``state``: what the plane's ``open`` returned."""
-    __slots__ = ("dest", "zdest", "sock", "welcome", "limits", "state")
+    announced; ``state``: what the plane's ``open`` returned. ``mon``: the socket's monitor (its
+    ZMTP session dropping, handshake failures); ``stale``: the session dropped since the last
+    hello, so the next send says hello again first (``zmq_sender``)."""
+    __slots__ = ("dest", "zdest", "sock", "welcome", "limits", "state", "mon", "stale")
 
     def __init__(self, dest: str, zdest: str, sock):
         self.dest, self.zdest, self.sock = dest, zdest, sock
         self.welcome: dict = {}
         self.limits = Limits()
         self.state = None
+        self.mon = None
+        self.stale = False
 
 
 class Peer:
     """A handshaked sender as the receiver sees it: ``peer_id`` (its sender_id), ``rid`` (ZMQ
-    routing id), ``state`` (what the plane's ``welcome`` set)."""
-    __slots__ = ("peer_id", "rid", "state")
+    routing id), ``state`` (what the plane's ``welcome`` set), ``extra`` (the plane's welcome
+    fields, repeated when the same connection says hello again after a reconnect)."""
+    __slots__ = ("peer_id", "rid", "state", "extra")
 
     def __init__(self, peer_id: str, rid: bytes):
-        self.peer_id, self.rid, self.state = peer_id, rid, None
+        self.peer_id, self.rid, self.state, self.extra = peer_id, rid, None, {}
 
 
 class ReceiverHost(Protocol):

@@ -18,6 +18,7 @@ from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG
                                    TransportError, default_ipc_path, handshake_mismatch, limits_from, normalize_layout,
                                    pack_control, tcp_endpoint, transfer_id_of, unpack_control, valid_id)
 from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_server, stop_authenticator
+from kvtransfer.transports.outbox import Outbox
 from kvtransfer.transports.plane import Peer, ReceiverPlane
 from kvtransfer.wire import TransferError
 
@@ -36,6 +37,7 @@ class ZmqStateReceiver(StateReceiver):
             the socket is a CURVE server and only senders with the same secret get through.
             None: plain ZMQ.
         plane: how tensor bytes arrive (default: in the state message; the dist kind passes its own).
+        reply_grace_s: how long a reply to a peer that is reconnecting is retried (``Outbox``; s).
         **limits: ``Limits`` fields (max_frames, max_message_bytes, ...).
 
     Its payload plane calls ``deliver``, ``reserve`` / ``release``, ``count``, ``forget`` and
@@ -48,7 +50,7 @@ class ZmqStateReceiver(StateReceiver):
 
     def __init__(self, kind: str, host: str, port: int, fingerprint: str, layout: dict, receiver_id: str | None = None,
                  ipc_path: str | None = None, advertise_host: str | None = None, linger_ms: int = 100, secret=None,
-                 plane: ReceiverPlane | None = None, **limits):
+                 plane: ReceiverPlane | None = None, reply_grace_s: float = 5.0, **limits):
         self.limits = limits_from(limits)
         if limits:
             raise TypeError(f"unexpected keyword arguments {sorted(limits)}")
@@ -62,12 +64,13 @@ class ZmqStateReceiver(StateReceiver):
         self.plane = plane or ReceiverPlane()
         self._stats = collections.Counter({k: 0 for k in ("messages", "bytes", "handshakes", "refused",
                                                           "dropped_malformed", "dropped_unknown_peer", "replies",
-                                                          "replies_dropped", "peers_pruned", *self.plane.counters)})
+                                                          "replies_dropped", "peers_pruned", "resumed",
+                                                          *self.plane.counters)})
         self._lock = threading.Lock()                  # peers, outbox, stats
         self._cond = threading.Condition(threading.Lock())   # delivered queue
         self._delivered: collections.deque = collections.deque()
         self._pending = 0                              # delivered (or reserved) and not yet recv()ed bytes
-        self._outbox: collections.deque = collections.deque()
+        self._outbox = Outbox(reply_grace_s)            # replies / plane control messages to send
         self._by_rid: dict[bytes, Peer] = {}
         self._by_id: dict[str, Peer] = {}
         self._stop = threading.Event()
@@ -79,6 +82,9 @@ class ZmqStateReceiver(StateReceiver):
         try:
             secure_server(sock, keys)   # before bind; starts the context's ZAP handler
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # senders set their own routing id: when libzmq reconnects one (a reset connection)
+            # the new connection takes that id over even if the dead one is not yet torn down here
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_control_bytes))
             sock.setsockopt(zmq.LINGER, linger_ms)
             if kind == "zmq-ipc":
@@ -130,7 +136,7 @@ class ZmqStateReceiver(StateReceiver):
             peer = self._by_id.get(peer_id)
             if peer is None:
                 raise TransportError(f"reply to unknown peer {peer_id!r} (never handshaked, superseded or gone)")
-            self._outbox.append((peer.rid, TAG_REP, payload))
+            self._outbox.put(peer.rid, TAG_REP, payload)
         self._wake()
 
     @property
@@ -200,8 +206,7 @@ class ZmqStateReceiver(StateReceiver):
     def send_control(self, peer: Peer, msg: dict) -> None:
         """Queue the control message ``msg`` (msgpack-able, <= max_control_bytes) to ``peer`` (any thread)."""
         payload = pack_control(msg, self.limits.max_control_bytes)
-        with self._lock:
-            self._outbox.append((peer.rid, TAG_CTL, payload))
+        self._outbox.put(peer.rid, TAG_CTL, payload)
         self._wake()
 
     def forget(self, peer: Peer, graceful: bool = False) -> bool:
@@ -254,7 +259,7 @@ class ZmqStateReceiver(StateReceiver):
                     else:
                         poller.unregister(sock)
                     reading = want
-                events = dict(poller.poll(500))
+                events = dict(poller.poll(20 if self._outbox.retrying else 500))
                 if self._wake_r in events or self._wake_r.fileno() in events:
                     try:
                         while self._wake_r.recv(4096):
@@ -277,12 +282,7 @@ class ZmqStateReceiver(StateReceiver):
             sock.close(linger=self.linger_ms)
 
     def _flush_outbox(self) -> None:
-        while True:
-            with self._lock:
-                if not self._outbox:
-                    return
-                rid, tag, payload = self._outbox.popleft()
-            ok = self._send_now(rid, tag, payload)
+        for tag, ok in self._outbox.flush(self._send_now):
             if tag == TAG_REP:
                 self.count("replies" if ok else "replies_dropped")
 
@@ -375,6 +375,12 @@ class ZmqStateReceiver(StateReceiver):
         if reason:
             return self._refuse(rid, nonce, reason)
         sender_id = msg["sender_id"]
+        with self._lock:   # the same connection after a reconnect: keep the peer (and its dist pair)
+            cur = self._by_rid.get(rid)
+            resumed = cur is not None and cur.peer_id == sender_id and self._by_id.get(sender_id) is cur
+        if resumed:
+            self.count("resumed")
+            return self._welcome(cur, nonce)
         with self._lock:
             old = [p for p in (self._by_rid.pop(rid, None), self._by_id.get(sender_id)) if p is not None]
             for p in old:
@@ -391,13 +397,16 @@ class ZmqStateReceiver(StateReceiver):
             return self._refuse(rid, nonce, f"too many prefill peers (max_peers={self.limits.max_peers})")
         peer = Peer(sender_id, rid)
         try:
-            extra = self.plane.welcome(peer, msg)
+            peer.extra = self.plane.welcome(peer, msg)
         except Exception as e:
             return self._refuse(rid, nonce, f"decode side cannot set up the pair: {e}")
         with self._lock:
             self._by_rid[rid] = peer
             self._by_id[sender_id] = peer
             self._stats["handshakes"] += 1
-        welcome = {"op": "welcome", "v": PROTOCOL_VERSION, "receiver_id": self.receiver_id, "peer_id": sender_id,
-                   "nonce": nonce, "limits": self.limits.announce(), **self._mine(), **extra}
-        self._send_now(rid, TAG_CTL, pack_control(welcome, self.limits.max_control_bytes))
+        self._welcome(peer, nonce)
+
+    def _welcome(self, peer: Peer, nonce: str) -> None:
+        welcome = {"op": "welcome", "v": PROTOCOL_VERSION, "receiver_id": self.receiver_id, "peer_id": peer.peer_id,
+                   "nonce": nonce, "limits": self.limits.announce(), **self._mine(), **peer.extra}
+        self._send_now(peer.rid, TAG_CTL, pack_control(welcome, self.limits.max_control_bytes))

@@ -198,18 +198,36 @@ def test_sender_survives_a_receiver_restart(net, kind, tmp_path):
     rx1.close()
     rx2 = net.rx(kind, **kw)
     assert rx2.address == rx1.address
-    try:   # the old connection is gone: either the send fails, or the new receiver rejects it
-        tx.send(rx2.address, state_msg("t-lost", 1))
-    except TransportError:
-        pass
+    time.sleep(0.2)   # the sender's socket notices the dropped connection (a restart takes longer)
+    tx.send(rx2.address, state_msg("t1", 1))   # so it says hello to the new receiver first
+    tx.send(rx2.address, state_msg("t2", 2))
+    assert [tid_of(f) for _, f in recv_n(rx2, 2)] == ["t1", "t2"]
+    assert rx2.stats["handshakes"] == 1 and rx2.stats["dropped_unknown_peer"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_receiver_that_forgot_the_sender_rejects_then_gets_a_hello(net, kind):
+    """A receiver that no longer knows a connected sender (it pruned or superseded it, a dist pair
+    failed; or a restarted decode the sender did not notice yet) rejects its message with
+    transport.reject; the sender drops that connection and handshakes on its next send."""
+    rx = net.rx(kind)
+    tx = net.tx(kind)
+    tx.send(rx.address, state_msg("t0", 0))
+    recv_n(rx, 1)
+    assert rx.forget(rx._by_id["prefill-0"])
+    try:
+        tx.send(rx.address, state_msg("t-lost", 1))
+    except TransportError:   # dist: forgetting the peer closed its pair group, the tensor send fails
+        assert kind == "dist"
     else:
         got, deadline = [], time.monotonic() + 10
         while not got and time.monotonic() < deadline:
             got = tx.poll_replies(timeout_s=0.5)
         assert got and got[0][1]["op"] == REJECT_OP and got[0][1]["transfer_id"] == "t-lost"
-    tx.send(rx2.address, state_msg("t2", 2))   # handshakes again
-    (_, frames), = recv_n(rx2, 1)
-    assert tid_of(frames) == "t2"
+        assert "send hello first" in got[0][1]["reason"]
+    tx.send(rx.address, state_msg("t2", 2))   # handshakes again
+    (_, frames), = recv_n(rx, 1)
+    assert tid_of(frames) == "t2" and rx.stats["handshakes"] == 2
 
 
 @pytest.mark.parametrize("kind", KINDS)
