@@ -29,11 +29,12 @@ def net(ckpt, tmp_path_factory):
     flags = ["--worker-timeout-s", "2", "--cpu-threads", "1"]
     pd = LocalPD(CONFIG, ckpt, num_prefill=2, num_decode=2, log_path=str(log),
                  extra_args={r: list(flags) for r in ("prefill", "decode", "gateway")})
-    relays = [Relay(f"127.0.0.1:{_arg(pd.cmds[f'prefill{i}'], '--port')}") for i in range(2)]
+    relays = [Relay(f"tcp://127.0.0.1:{_arg(pd.cmds[f'prefill{i}'], '--port')}", f"tcp://127.0.0.1:{free_port()}")
+              for i in range(2)]
     gw = pd.cmds["gateway"]
     b = gw.copy()
     b[b.index("--port") + 1] = str(free_port())
-    gw += ["--prefill-addrs", ",".join(r.addr for r in relays)]      # the last one wins
+    gw += ["--prefill-addrs", ",".join(r.address.removeprefix("tcp://") for r in relays)]   # the last one wins
     pd.cmds["gateway_b"] = b
     url_b = f"http://127.0.0.1:{_arg(b, '--port')}"
     pd.metrics_urls["gateway_b"] = url_b + "/metrics"
@@ -85,11 +86,7 @@ def test_a_gateway_prefill_blip_loses_no_request(net, reference):
         while not any(pd.ready(n)["running"] or pd.ready(n)["waiting"] for n in ("prefill0", "prefill1")):
             assert time.monotonic() < end, "no prefill picked the samples up"
             await asyncio.sleep(0.01)
-        for r in relays:
-            r.cut()
-        await asyncio.sleep(0.3)
-        for r in relays:
-            r.restore()
+        await asyncio.gather(*(asyncio.to_thread(r.reset, down_s=0.3) for r in relays))
         return await asyncio.gather(*tasks)
     got = asyncio.run(run())
     assert got == _expected(reference, prompts, 4, seeds)

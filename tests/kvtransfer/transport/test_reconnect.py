@@ -14,7 +14,7 @@ from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_commit, encode_layer
 
 from .common import FP, KINDS, LAYOUT, free_port, same_tensors, sample_tensors
-from .relay import Relay
+from relay_util import Relay
 
 NUM_LAYERS = 3
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from .common import FP, REPO, free_port, state_msg
-from .relay import Relay
+from relay_util import Relay
 
 _DECODE = r"""
 import hashlib, sys
