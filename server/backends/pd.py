@@ -2,7 +2,9 @@
 
 Per sample: the least-loaded healthy decode instance reserves state (``reserve``), then the
 least-loaded healthy prefill instance prefills with the reservation as destination
-(``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
+(``prefill``); token #1 comes from prefill, the rest from decode. Only pairs whose pongs say the
+transfer handshake would accept them are chosen (``server.backends.instances.pick_pair``): a sample
+no compatible pair can serve gets 503 before any prefill. Closing the stream early
 (client gone, stop string, deadline) aborts both legs. One attempt is a ``server.backends.leg.Leg``
 whose explicit state (reserving, prefilling, transferring, decoding, finished) decides what a lost
 instance means and what to abort.
@@ -36,7 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer.secure import cluster_keys, secure_client
 from server.backends.base import BackendError, GenRequest, TokenEvent
-from server.backends.instances import Instance
+from server.backends.instances import Instance, incompatible_pairs, pair_mismatch, pick_pair
 from server.backends.leg import Leg, LegLost, LegState
 from server.workers.rpc import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
 
@@ -129,10 +131,18 @@ class PDBackend:
         self.ctx.term()
 
     async def health(self) -> dict:
+        """Healthy when some healthy prefill pairs with some healthy decode (``kvtransfer.compat``);
+        ``incompatible_pairs`` lists the healthy pairs that do not, each with its cause and reason."""
         h = {r: [i.addr for i in self.instances if i.role == r and i.healthy(self._max_unanswered)]
              for r in ("prefill", "decode")}
-        return {"healthy": bool(h["prefill"] and h["decode"]), "healthy_prefill": h["prefill"],
-                "healthy_decode": h["decode"], **self.counters}
+        bad = self.incompatible_pairs()
+        pairs = len(h["prefill"]) * len(h["decode"]) - len(bad)
+        return {"healthy": pairs > 0, "healthy_prefill": h["prefill"], "healthy_decode": h["decode"],
+                "compatible_pairs": pairs, "incompatible_pairs": bad, **self.counters}
+
+    def incompatible_pairs(self) -> list[dict]:
+        """The healthy pairs that are never chosen (``instances.incompatible_pairs``)."""
+        return incompatible_pairs(self.instances, self._max_unanswered)
 
     # ---- I/O tasks ------------------------------------------------------------------------------
     async def _pinger(self) -> None:
@@ -213,9 +223,16 @@ class PDBackend:
                     q.put_nowait((op, msg))
 
     # ---- a sample ------------------------------------------------------------------------------
-    def _pick(self, role: str) -> Instance | None:
-        ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)]
+    def _pick(self, role: str, decode: Instance | None = None) -> Instance | None:
+        """The least-loaded healthy ``role`` instance; with ``decode``, only a prefill that pairs with it."""
+        ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)
+              and (decode is None or pair_mismatch(i, decode) is None)]
         return min(ok, key=Instance.score) if ok else None
+
+    def _pick_pair(self) -> Instance:
+        """The decode instance of a new sample (``instances.pick_pair``: only one some prefill pairs
+        with). Raises BackendError 503 naming why there is none."""
+        return pick_pair(self.instances, self._max_unanswered)
 
     async def _send(self, inst: Instance, msg: dict) -> None:
         try:
@@ -265,9 +282,7 @@ class PDBackend:
     async def _sample(self, req: GenRequest, rid: str) -> AsyncIterator[TokenEvent]:
         """One attempt under transfer id ``rid``. Raises LegLost before its first event if an instance
         of its legs is lost, BackendError otherwise."""
-        dec = self._pick("decode")
-        if dec is None or self._pick("prefill") is None:
-            raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
+        dec = self._pick_pair()
         leg = Leg(rid, dec)
         self._streams[rid] = leg.queue
         try:
@@ -321,10 +336,10 @@ class PDBackend:
         return msg["state_addr"]
 
     async def _prefill(self, leg: Leg, req: GenRequest, params: dict, dest: str) -> tuple[dict, list[dict]]:
-        """PREFILLING: the least-loaded prefill instance (chosen now, when the state has a place)
-        computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
+        """PREFILLING: the least-loaded prefill instance that pairs with the leg's decode (chosen
+        now, when the state has a place) computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
         ``out`` messages that overtook it (two sockets). Raises LegLost / BackendError."""
-        pre = self._pick("prefill")
+        pre = self._pick("prefill", leg.decode)
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)
