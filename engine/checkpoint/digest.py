@@ -5,11 +5,12 @@ alone cannot say so (a fine-tune, a different conversion, a re-quantisation keep
 So each shard is hashed whole (its safetensors header and every tensor byte) with sha256, and the
 digest is sha256 over the sorted (shard name, size, shard sha256) list: ``"sha256:<64 hex>"``.
 
-Cost: one sequential read of the checkpoint, done once. sha256 (OpenSSL, SHA-NI) measured about
-1300 MB/s per core on the development machine from the page cache (blake2b: about 850 MB/s, so
-sha256 it is); shards are hashed on up to ``workers`` threads (hashlib releases the GIL), so a
-cold start is bounded by the disk: ~150 GB of V4-Flash in ~40-60 shards is about two minutes on
-one core, a ~800 GB V4-Pro about ten, and less with more cores and a fast disk.
+Cost: one sequential read of the checkpoint, done once. sha256 (OpenSSL, SHA-NI) measured
+1300-1430 MB/s on one core of the development machine from the page cache (blake2b: about
+850 MB/s, so sha256 it is); a cached start took 0.5 ms. Shards are hashed on up to ``workers``
+threads (hashlib releases the GIL; the scaling was not measurable on the development machine's two
+shared cores), so a cold start is bounded by the disk or by one core per thread: ~150 GB of
+V4-Flash in ~40-60 shards is about two minutes on one core, a ~800 GB V4-Pro about ten.
 
 Cache: per shard, keyed by file name + size + mtime_ns (what make and rsync trust), so a second
 start reads no tensor byte and an edited or replaced shard is hashed again. The cache is a JSON
