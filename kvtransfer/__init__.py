@@ -58,3 +58,24 @@ def make_sender(kind: str, fingerprint: str, layout: dict | None = None, sender_
         from kvtransfer.transports.dist import dist_sender
         return dist_sender(fingerprint, layout, sender_id, secret=secret, **kw)
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")
+
+
+def handshake_fields(kind: str, fingerprint: str, layout: dict | None = None, device: str | None = None) -> dict:
+    """What a sender / receiver of ``kind`` made with this fingerprint and layout states in its hello /
+    welcome: the fields ``kvtransfer.compat.handshake_mismatch`` compares ("transport",
+    "fingerprint", "layout", and "backend" for dist, from ``device``: "cpu" gloo, "cuda" nccl,
+    "npu" hccl). Workers put it in their pong so the gateway pairs only instances that would agree.
+
+    Raises:
+        ValueError: unknown kind, or (dist) a device without a backend.
+    """
+    from kvtransfer.interfaces import normalize_layout
+    layout = normalize_layout({} if layout is None else layout)
+    if kind in ("zmq-tcp", "zmq-ipc"):
+        from kvtransfer.transports.plane import SenderPlane
+        return {"transport": SenderPlane.transport, "fingerprint": fingerprint, "layout": layout}
+    if kind == "dist":
+        from kvtransfer.transports.dist import DistSenderPlane, backend_for
+        return {"transport": DistSenderPlane.transport, "fingerprint": fingerprint, "layout": layout,
+                "backend": backend_for(device or "cpu")}
+    raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")

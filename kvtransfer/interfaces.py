@@ -27,6 +27,9 @@ Handshake (msgpack control messages on the ZMQ pair, before any state message):
                          [dist: "store_host", "store_port", "prefix", "rank", "coalesce_bytes"]}
                      or {"op": "refuse", "v": 1, "nonce", "reason"}   (reason names what differs)
 
+Both sides judge with ``kvtransfer.compat.handshake_mismatch`` (torch-free), the same rule the
+gateway applies to the ``handshake`` fields of the workers' pongs before it pairs them.
+
 The receiver may later send ``{"op": "transport.reject", "v": 1, "reason", "transfer_id"}`` for a
 state message it dropped (no handshake, malformed, over a limit, dist pair failed); the sender
 surfaces it through ``poll_replies`` and handshakes again on its next ``send``.
@@ -74,6 +77,7 @@ from dataclasses import asdict, dataclass
 
 import msgpack
 
+from kvtransfer.compat import handshake_mismatch, layout_diff  # noqa: F401  (the one rule; re-exported)
 from kvtransfer.wire import TransferError, decode_header
 
 PROTOCOL_VERSION = 1
@@ -144,42 +148,6 @@ def normalize_layout(layout: dict) -> dict:
     if not isinstance(layout, dict):
         raise TypeError(f"layout must be a dict, found {type(layout).__name__}")
     return msgpack.unpackb(msgpack.packb(layout, use_bin_type=True), raw=False, strict_map_key=False)
-
-
-def layout_diff(ours, theirs, path: str = "layout") -> list[tuple[str, object, object]]:
-    """Dotted paths where two layouts differ, with (ours, theirs) values; missing keys show as None."""
-    if isinstance(ours, dict) and isinstance(theirs, dict):
-        out = []
-        for k in sorted(set(ours) | set(theirs), key=str):
-            out += layout_diff(ours.get(k), theirs.get(k), f"{path}.{k}")
-        return out
-    return [] if ours == theirs else [(path, ours, theirs)]
-
-
-def _short(v, n: int = 60) -> str:
-    s = repr(v)
-    return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | None:
-    """Why two sides must not exchange state, or None when they agree.
-
-    ``mine`` / ``theirs``: dicts with "transport", "fingerprint", "layout" (and "backend" for dist).
-    ``me`` / ``them`` name the sides in the reason ("decode", "prefill").
-    """
-    reasons = []
-    for key in ("transport", "backend"):
-        if mine.get(key) != theirs.get(key):
-            reasons.append(f"{key} differs: {them} uses {theirs.get(key)!r}, {me} uses {mine.get(key)!r}")
-    diffs = layout_diff(mine.get("layout"), theirs.get("layout"))
-    for path, a, b in diffs[:8]:
-        reasons.append(f"{path} differs: {them} has {_short(b)}, {me} has {_short(a)}")
-    if len(diffs) > 8:
-        reasons.append(f"... and {len(diffs) - 8} more layout keys")
-    if mine.get("fingerprint") != theirs.get("fingerprint"):
-        reasons.append(f"fingerprint differs: {them} runs model {str(theirs.get('fingerprint'))[:16]}, {me} runs "
-                       f"{str(mine.get('fingerprint'))[:16]} (checkpoint config / kv dtype / state layout differ)")
-    return "; ".join(reasons) or None
 
 
 def ack_message(transfer_id: str, nbytes: int) -> dict:

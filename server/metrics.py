@@ -1,14 +1,19 @@
 """Prometheus metrics, vLLM's names and meanings under the prefix ``dsv4:`` (reference/peers.md A.7).
 
 Gateway (per request, as the client sees it): TTFT, ITL, TPOT, E2E latency, queue time, token and
-request counters. Workers (per engine): running / waiting requests, state-pool usage, prefill time
+request counters; and the prefill/decode pairs it will not route to (``incompatible_pairs``). Workers (per engine): running / waiting requests, state-pool usage, prefill time
 (prefill worker), and the KV-state transfer (bytes, latency, failures). Each process owns a
 ``CollectorRegistry`` so several apps in one process (tests) do not share counters.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvtransfer.compat import CAUSES
 
 disable_created_metrics()      # no *_created series (vLLM exports none)
 PREFIX = "dsv4:"
@@ -52,12 +57,42 @@ class GatewayMetrics:
         self._model = model_name
         self.running = Gauge(PREFIX + "num_requests_running", "Requests being served by this gateway", lbl,
                              registry=r).labels(model_name)
+        self._pairs: _PairsCollector | None = None
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self._model, finished_reason).inc()
 
+    def track_pairs(self, report: Callable[[], list[dict]]) -> None:
+        """Export ``dsv4:incompatible_pairs`` (gauge, labels model_name and cause): healthy
+        (prefill, decode) pairs the gateway never chooses because the transfer handshake would refuse
+        them, by the first difference (cause: transport | kv_dtype | weights | config | layout,
+        ``kvtransfer.compat.CAUSES``). ``report``: () -> [{"cause": ...}, ...], read at each scrape
+        (``PDBackend.incompatible_pairs``). A second call replaces the first's ``report``."""
+        if self._pairs is None:
+            self._pairs = _PairsCollector(self._model)
+            self.registry.register(self._pairs)
+        self._pairs.report = report
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PairsCollector:
+    """``dsv4:incompatible_pairs`` computed at scrape time, one series per cause (0 included)."""
+
+    def __init__(self, model_name: str):
+        self.model, self.report = model_name, None
+
+    def collect(self):
+        g = GaugeMetricFamily(PREFIX + "incompatible_pairs", "Healthy prefill/decode pairs never chosen: the "
+                              "transfer handshake would refuse them (by first difference)",
+                              labels=["model_name", "cause"])
+        counts = dict.fromkeys(CAUSES, 0)
+        for pair in self.report() if self.report else ():
+            counts[pair["cause"]] = counts.get(pair["cause"], 0) + 1
+        for cause, n in counts.items():
+            g.add_metric([self.model, cause], n)
+        yield g
 
 
 class WorkerMetrics:

@@ -102,12 +102,13 @@ def _parse_entry(bad: str, name: str, info) -> tuple[int, int]:
     return begin, end
 
 
-def scan_checkpoint(ckpt: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the checkpoint directory, from its index (if any) and shard headers.
+def shard_files(ckpt: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The shard file names the checkpoint's weights are read from (sorted): the index's
+    (``model.safetensors.index.json``) when there is one, else every ``*.safetensors``; and the
+    index's weight_map (None without an index).
 
     Raises:
-        CheckpointError: no shards, a malformed index, an index naming a missing shard or a tensor
-            its shard lacks, or a tensor stored in two shards.
+        CheckpointError: a malformed index, or no shards.
     """
     index_path = ckpt / INDEX_FILE
     weight_map: dict[str, str] | None = None
@@ -126,6 +127,17 @@ def scan_checkpoint(ckpt: Path) -> dict[str, StoredTensor]:
         shards = sorted(p.name for p in ckpt.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"checkpoint: no *.safetensors shards in {ckpt}")
+    return shards, weight_map
+
+
+def scan_checkpoint(ckpt: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint directory, from its index (if any) and shard headers.
+
+    Raises:
+        CheckpointError: no shards, a malformed index, an index naming a missing shard or a tensor
+            its shard lacks, or a tensor stored in two shards.
+    """
+    shards, weight_map = shard_files(ckpt)
     found: dict[str, StoredTensor] = {}
     for shard in shards:
         path = ckpt / shard

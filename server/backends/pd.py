@@ -2,21 +2,15 @@
 
 Per sample: the least-loaded healthy decode instance reserves state (``reserve``), then the
 least-loaded healthy prefill instance prefills with the reservation as destination
-(``prefill``); token #1 comes from prefill, the rest from decode. Closing the stream early
+(``prefill``); token #1 comes from prefill, the rest from decode. Only pairs whose pongs say the
+transfer handshake would accept them are chosen (``server.backends.instances.pick_pair``): a sample
+no compatible pair can serve gets 503 before any prefill. Closing the stream early
 (client gone, stop string, deadline) aborts both legs. One attempt is a ``server.backends.leg.Leg``
 whose explicit state (reserving, prefilling, transferring, decoding, finished) decides what a lost
 instance means and what to abort.
 
-Two health signals per instance:
-
-- liveness: ZMTP heartbeats (libzmq's I/O threads answer them even while a worker is inside a
-  long engine step) and the socket monitor. A worker killed (connection closed) or stopped (no
-  heartbeat answer within ``worker_timeout_s``) is *disconnected* at once: every sample with a
-  leg on it is failed or retried, and it gets no new samples until it is connected again.
-- load and readiness: ``ping`` -> ``pong`` (the ``/ready`` body, answered between engine steps).
-  An instance that is not ready (starting, draining), or whose last ``health_timeout_s`` of pings
-  went unanswered, gets no new samples. A new ``instance_id`` in a pong means the process behind the
-  address restarted: legs on the old process are lost.
+The connections, liveness and load of the instances are ``server.backends.links.WorkerLinks``: an
+instance it finds disconnected or restarted loses its legs here (failed, retried or migrated).
 
 A sample whose prefill or decode instance is lost before token #1 reaches the client is retried
 from the reservation on (a new transfer id, ``max_retries`` times). After token #1 it *migrates*
@@ -32,15 +26,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import zmq
-import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
-
-from kvtransfer.secure import cluster_keys, secure_client
 from server.backends.base import BackendError, GenRequest, TokenEvent
-from server.backends.instances import Instance
+from server.backends.instances import Instance, incompatible_pairs, pair_mismatch, pick_pair
 from server.backends.leg import Leg, LegLost, LegState, LostMidStream
-from server.workers.rpc import MessageError, pack, params_to_dict, set_heartbeat, unpack, unpack_sampled
+from server.backends.links import WorkerLinks
+from server.workers.rpc import pack, params_to_dict, unpack_sampled
 
 log = logging.getLogger(__name__)
 
@@ -75,30 +65,17 @@ class PDBackend:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
         if worker_timeout_s <= 0:
             raise ValueError("worker_timeout_s: must be > 0 seconds")
-        self.ctx = zmq.asyncio.Context()
-        self.worker_timeout_s, self.keys = worker_timeout_s, cluster_keys(cluster_secret)
-        self.instances = [self._connect(r, a) for r, addrs in (("prefill", prefill_addrs), ("decode", decode_addrs))
-                          for a in addrs]
+        self.links = WorkerLinks(prefill_addrs, decode_addrs, self._deliver, self._lose, worker_timeout_s,
+                                 health_interval_s, health_timeout_s, cluster_secret)
+        self.instances, self.worker_timeout_s = self.links.instances, worker_timeout_s
         self.lease_s, self.queue_timeout_s = lease_s, queue_timeout_s
         self.first_token_timeout_s, self.token_timeout_s = first_token_timeout_s, token_timeout_s
-        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.max_retries, self.max_migrations, self.reconnect_grace_s = max_retries, max_migrations, reconnect_grace_s
-        self._max_unanswered = max(2, round(health_timeout_s / health_interval_s))
+        self._max_unanswered = self.links.max_unanswered
         self._streams: dict[str, asyncio.Queue] = {}
         self._legs: dict[str, Leg] = {}          # attempts in flight, by transfer id (lease renewal)
-        self._tasks: list[asyncio.Task] = []
+        self._renew_task: asyncio.Task | None = None
         self.counters = {"retries": 0, "migrations": 0, "lost_legs": 0}
-
-    def _connect(self, role: str, addr: str) -> Instance:
-        s = self.ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IMMEDIATE, 1)          # no queueing towards an instance that is not connected
-        s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
-        set_heartbeat(s, self.worker_timeout_s)
-        s.setsockopt(zmq.RECONNECT_IVL, 100)
-        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        secure_client(s, self.keys)              # no-op without a secret
-        return Instance(role, addr, s)            # connected in start(), once its monitor listens
 
     @property
     def max_model_len(self) -> int:
@@ -106,16 +83,8 @@ class PDBackend:
         return min(lens) if lens else 1 << 40      # unknown until a worker answers: generate() says 503
 
     async def start(self) -> None:
-        for inst in self.instances:
-            mon = inst.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                               | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-            self._tasks.append(asyncio.create_task(self._monitor(inst, mon)))
-            self._tasks.append(asyncio.create_task(self._reader(inst)))
-            inst.sock.connect(f"tcp://{inst.addr}")
-        self._tasks.append(asyncio.create_task(self._pinger()))
-        self._tasks.append(asyncio.create_task(self._renewer()))
+        self.links.start()
+        self._renew_task = asyncio.create_task(self._renewer())
 
     async def wait_ready(self, timeout_s: float) -> bool:
         """True once at least one prefill and one decode instance are healthy."""
@@ -127,36 +96,25 @@ class PDBackend:
         return False
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
+        if self._renew_task is not None:
+            self._renew_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        for inst in self.instances:
-            with contextlib.suppress(zmq.ZMQError):
-                inst.sock.disable_monitor()
-            inst.sock.close(0)
-        self.ctx.term()
+                await self._renew_task
+        await self.links.close()
 
     async def health(self) -> dict:
+        """Healthy when some healthy prefill pairs with some healthy decode (``kvtransfer.compat``);
+        ``incompatible_pairs`` lists the healthy pairs that do not, each with its cause and reason."""
         h = {r: [i.addr for i in self.instances if i.role == r and i.healthy(self._max_unanswered)]
              for r in ("prefill", "decode")}
-        return {"healthy": bool(h["prefill"] and h["decode"]), "healthy_prefill": h["prefill"],
-                "healthy_decode": h["decode"], **self.counters}
+        bad = self.incompatible_pairs()
+        pairs = len(h["prefill"]) * len(h["decode"]) - len(bad)
+        return {"healthy": pairs > 0, "healthy_prefill": h["prefill"], "healthy_decode": h["decode"],
+                "compatible_pairs": pairs, "incompatible_pairs": bad, **self.counters}
 
-    # ---- I/O tasks ------------------------------------------------------------------------------
-    async def _pinger(self) -> None:
-        ping = pack({"op": "ping"})
-        while True:
-            for inst in self.instances:
-                was = inst.healthy(self._max_unanswered)
-                inst.unanswered = min(inst.unanswered + 1, 1 << 30)
-                if was and not inst.healthy(self._max_unanswered):
-                    log.warning("gateway: %s %s left %d pings unanswered: no new samples until it answers",
-                                inst.role, inst.addr, inst.unanswered - 1)
-                with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                    await inst.sock.send(ping, zmq.NOBLOCK)
-            await asyncio.sleep(self.health_interval_s)
+    def incompatible_pairs(self) -> list[dict]:
+        """The healthy pairs that are never chosen (``instances.incompatible_pairs``)."""
+        return incompatible_pairs(self.instances, self._max_unanswered)
 
     async def _renewer(self) -> None:
         """Renews, a third of a lease after the last renewal, the reservations whose state is
@@ -170,49 +128,12 @@ class PDBackend:
                     leg.renewed_at = now
                     due.setdefault(leg.decode.addr, (leg.decode, []))[1].append(rid)
             for inst, rids in due.values():
-                with contextlib.suppress(zmq.Again, zmq.ZMQError):
-                    await inst.sock.send(pack({"op": "renew", "rids": rids}), zmq.NOBLOCK)
+                await self.links.send_quietly(inst, {"op": "renew", "rids": rids})
 
-    async def _monitor(self, inst: Instance, mon) -> None:
-        failed = 0                                  # connections dropped before a handshake completed
-        try:
-            while True:
-                ev = parse_monitor_message(await mon.recv_multipart())
-                e = ev["event"]
-                if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    inst.connected, failed = True, 0
-                    log.info("gateway: %s %s connected", inst.role, inst.addr)
-                    await self._reconnected(inst)
-                elif e == zmq.EVENT_DISCONNECTED and inst.connected:
-                    inst.connected = False
-                    inst.load = {}                  # ready again only when it answers a ping
-                    self._lose(inst, "disconnected (killed, stopped or unreachable)")
-                else:                               # a handshake failed or was cut short
-                    failed += 1
-                    if failed == 3:                 # once per run of failures, not per retry
-                        log.error("gateway: %s %s: the ZMQ handshake keeps failing: the cluster secret "
-                                  "(DSV4_CLUSTER_SECRET) differs, the process is stopped, or it is not a "
-                                  "dsv4-pd worker", inst.role, inst.addr)
-        finally:
-            mon.close(0)
-
-    async def _reconnected(self, inst: Instance) -> None:
-        """A (re)connected instance: the aborts it missed while away are sent now (no orphaned
-        work there), and a ping at once, so samples waiting for it need not wait a ping period."""
-        aborts, inst.pending_aborts = inst.pending_aborts, {}
-        with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            for rid in aborts:
-                await inst.sock.send(pack({"op": "abort", "rid": rid}), zmq.NOBLOCK)
-            await inst.sock.send(pack({"op": "ping"}), zmq.NOBLOCK)
-
-    async def _abort(self, inst: Instance, rid: str) -> None:
-        """Abort ``rid`` on ``inst``; one that cannot be sent now (disconnected) is sent on reconnect."""
-        try:
-            await self._send(inst, {"op": "abort", "rid": rid})
-        except BackendError:
-            inst.pending_aborts[rid] = None
-            while len(inst.pending_aborts) > 1 << 16:          # the oldest are the least likely still running
-                del inst.pending_aborts[next(iter(inst.pending_aborts))]
+    def _deliver(self, rid: str, op: str, msg: dict) -> None:
+        q = self._streams.get(rid)
+        if q is not None:
+            q.put_nowait((op, msg))
 
     def _lose(self, inst: Instance, why: str) -> None:
         legs, inst.legs = inst.legs, set()
@@ -227,52 +148,32 @@ class PDBackend:
                 # task delivers those first
                 loop.call_later(0.1, q.put_nowait, ("lost", {"role": inst.role, "addr": inst.addr, "why": why}))
 
-    async def _reader(self, inst: Instance) -> None:
-        while True:
-            frame = await inst.sock.recv()
-            try:
-                msg = unpack(frame)
-            except MessageError as e:
-                log.warning("gateway: bad message from %s %s: %s", inst.role, inst.addr, e)
-                continue
-            op = msg["op"]
-            inst.unanswered = 0                     # any message: its loop is alive (pings wait for a step)
-            if op == "pong":
-                iid = msg.get("instance_id")
-                if inst.instance_id is not None and iid != inst.instance_id:
-                    self._lose(inst, f"restarted (instance {inst.instance_id} -> {iid})")
-                inst.instance_id = iid
-                inst.load = msg
-            elif op == "out":
-                items = msg.get("items")
-                for item in items if isinstance(items, list) else []:
-                    rid = item.get("rid") if isinstance(item, dict) else None
-                    q = self._streams.get(rid) if isinstance(rid, str) else None
-                    if q is not None:
-                        q.put_nowait(("out", item))
-            else:
-                rid = msg.get("rid")
-                q = self._streams.get(rid) if isinstance(rid, str) else None
-                if q is not None:
-                    q.put_nowait((op, msg))
-
     # ---- a sample ------------------------------------------------------------------------------
-    def _pick(self, role: str) -> Instance | None:
-        ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)]
+    def _pick(self, role: str, decode: Instance | None = None) -> Instance | None:
+        """The least-loaded healthy ``role`` instance; with ``decode``, only a prefill that pairs with it."""
+        ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)
+              and (decode is None or pair_mismatch(i, decode) is None)]
         return min(ok, key=Instance.score) if ok else None
 
-    async def _pick_within(self, role: str) -> Instance | None:
-        """``_pick(role)``, waiting up to ``reconnect_grace_s`` for one to become healthy."""
+    async def _pick_within(self, role: str, decode: Instance | None = None) -> Instance | None:
+        """``_pick(role, decode)``, waiting up to ``reconnect_grace_s`` for one to become healthy."""
         end = time.monotonic() + self.reconnect_grace_s
-        while (inst := self._pick(role)) is None and time.monotonic() < end:
+        while (inst := self._pick(role, decode)) is None and time.monotonic() < end:
             await asyncio.sleep(0.05)
         return inst
 
-    async def _send(self, inst: Instance, msg: dict) -> None:
-        try:
-            await inst.sock.send(pack(msg), zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as e:
-            raise BackendError(f"{inst.role} instance {inst.addr} is unreachable ({e})", 503) from None
+    async def _pick_pair(self) -> Instance:
+        """The decode instance of a new sample (``instances.pick_pair``: only one some prefill pairs
+        with), waiting up to ``reconnect_grace_s`` for one (a connection blip reconnecting).
+        Raises BackendError 503 naming why there is none."""
+        end = time.monotonic() + self.reconnect_grace_s
+        while True:
+            try:
+                return pick_pair(self.instances, self._max_unanswered)
+            except BackendError:
+                if time.monotonic() >= end:
+                    raise
+            await asyncio.sleep(0.05)
 
     async def _get(self, q: asyncio.Queue, timeout: float, what: str, deadline: float | None):
         left = None if deadline is None else deadline - time.monotonic()
@@ -327,9 +228,7 @@ class PDBackend:
         """One attempt under transfer id ``rid``, continuing after the tokens ``done`` (a migration:
         both workers compute prompt + ``done`` and sample on from there). Raises LegLost before its
         first event if an instance of its legs is lost, LostMidStream after, BackendError otherwise."""
-        dec = await self._pick_within("decode")
-        if dec is None or await self._pick_within("prefill") is None:
-            raise BackendError("no healthy " + ("decode" if dec is None else "prefill") + " instance", 503)
+        dec = await self._pick_pair()
         leg = Leg(rid, dec)
         self._streams[rid], self._legs[rid] = leg.queue, leg
         try:
@@ -340,7 +239,7 @@ class PDBackend:
             tok = first["id"]
             if first["done"]:                  # token #1 ended it: free decode's reservation now
                 leg.finished()
-                await self._abort(dec, rid)
+                await self.links.abort(dec, rid)
             yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
                              len(req.prompt_ids), None if done else first.get("queue_s"))
             if first["done"]:
@@ -359,7 +258,7 @@ class PDBackend:
             self._streams.pop(rid, None)
             self._legs.pop(rid, None)
             for inst in leg.release():
-                await self._abort(inst, rid)
+                await self.links.abort(inst, rid)
 
     @staticmethod
     def _left(deadline: float | None) -> dict:
@@ -370,7 +269,7 @@ class PDBackend:
         """RESERVING: decode reserves the sample's state. Returns the reservation's state address.
         Raises LegLost (decode lost, or draining), BackendError (decode refused: its status)."""
         dec = leg.decode
-        await self._send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
+        await self.links.send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
                                "lease_s": self.lease_s, **self._left(req.deadline)})
         op, msg = await self._get(leg.queue, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
                                   req.deadline)
@@ -387,14 +286,15 @@ class PDBackend:
         return msg["state_addr"]
 
     async def _prefill(self, leg: Leg, req: GenRequest, fields: dict, dest: str) -> tuple[dict, list[dict]]:
-        """PREFILLING: the least-loaded prefill instance (chosen now, when the state has a place)
-        computes the prompt into ``dest``. Returns its ``first`` message (token #1) and decode's
-        ``out`` messages that overtook it (two sockets). Raises LegLost / BackendError."""
-        pre = await self._pick_within("prefill")
+        """PREFILLING: the least-loaded prefill instance that pairs with the leg's decode (chosen
+        now, when the state has a place) computes the prompt into ``dest``. Returns its ``first``
+        message (token #1) and decode's ``out`` messages that overtook it (two sockets).
+        Raises LegLost / BackendError."""
+        pre = await self._pick_within("prefill", leg.decode)
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)
-        await self._send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
+        await self.links.send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
                                "dest": dest, **self._left(req.deadline)})
         early = []
         while True:

@@ -100,6 +100,8 @@ class Gateway:
                  metrics: GatewayMetrics | None, max_pending: int, request_timeout_s: float | None):
         self.backend, self.tokenizer, self.model_name = backend, tokenizer, model_name
         self.metrics = metrics or GatewayMetrics(model_name)
+        if hasattr(backend, "incompatible_pairs"):          # the P/D backend: pairs it will not route to
+            self.metrics.track_pairs(backend.incompatible_pairs)
         self.strings = TokenStrings(tokenizer)
         self.fmt = fmt or DeepSeekFormat(tokenizer.model_dir, model_name, default_thinking, tokenizer.max_token_chars)
         self.max_n, self.max_pending, self.request_timeout_s = max_n, max_pending, request_timeout_s

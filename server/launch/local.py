@@ -58,7 +58,7 @@ class LocalPD:
     ``--master-port`` / ``--rank-port`` (a multi-rank instance's rendezvous and step channel).
     Attributes (after ``start``): ``base_url`` (gateway), ``metrics_urls`` {name: url} and
     ``ready_urls`` {name: url} of every process. Raises RuntimeError if a process exits or the
-    gateway is not healthy within ``timeout_s``.
+    gateway is not up (``start``'s ``up``) within ``timeout_s``.
     """
 
     def __init__(self, config: str, model: str, num_prefill: int = 1, num_decode: int = 1,
@@ -108,7 +108,10 @@ class LocalPD:
         self.metrics_urls[name] = f"http://{self.host}:{port}/metrics"
         self.ready_urls[name] = f"http://{self.host}:{port}/ready"
 
-    def start(self, timeout_s: float = 600.0) -> "LocalPD":
+    def start(self, timeout_s: float = 600.0, up=None) -> "LocalPD":
+        """Start every process; return once ``up(response of the gateway's /health)`` is true
+        (default: status 200, i.e. some prefill pairs with some decode)."""
+        up = up or (lambda r: r.status_code == 200)
         out = open(self.log_path, "w") if self.log_path else None
         self._log = out
         for name, cmd in self.cmds.items():
@@ -122,13 +125,13 @@ class LocalPD:
                 raise RuntimeError(f"the {dead[0]} process exited with {self.procs[dead[0]].returncode}"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                if up(httpx.get(self.base_url + "/health", timeout=2)):
                     return self
             except httpx.HTTPError:
                 pass
             if time.monotonic() > end:
                 self.stop()
-                raise RuntimeError(f"the gateway was not healthy within {timeout_s:g} s")
+                raise RuntimeError(f"the gateway was not up within {timeout_s:g} s")
             time.sleep(0.2)
 
     def signal(self, name: str, sig: int = signal.SIGKILL) -> None:

@@ -53,10 +53,13 @@ def run_worker(args) -> int:
         _meet(args, cfg, renv, platform)
         from server.launch.rank_worker import start_ranks          # rank 0 listens while the ranks load
         ranks, executor = start_ranks(renv, args, cfg, prefill)
+    digest = _start_digest(args.model or cfg.model_config.model_path) if renv is None or renv.leader else None
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
                               rank=renv.rank if renv else 0, executor=executor)
+        if digest is not None:
+            opts.weights_digest = digest.result().value
     except (ConfigError, CheckpointError) as e:
         die(f"launch-pd: {e}")
     if renv is not None and not renv.leader:
@@ -95,6 +98,26 @@ def run_worker(args) -> int:
         if ranks is not None:
             ranks.close()
     return 1 if worker.rank_failure else 0
+
+
+def _start_digest(model_dir):
+    """The checkpoint's weights digest (``engine.checkpoint.digest``), hashed on a thread while the
+    weights load (the first start reads the checkpoint once more; later starts use the cache).
+    The instance's leader only: a rank reads just its slices, and only the leader pairs."""
+    import threading
+    from concurrent.futures import Future
+
+    from engine.checkpoint.digest import weights_digest
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(weights_digest(model_dir))
+        except BaseException as e:       # CheckpointError, or a bug: raised by fut.result()
+            fut.set_exception(e)
+    # a daemon: a start that fails (bad config) exits at once, not after hashing the checkpoint
+    threading.Thread(target=run, name="weights-digest", daemon=True).start()
+    return fut
 
 
 def _meet(args, cfg, renv, platform) -> None:

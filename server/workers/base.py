@@ -17,8 +17,10 @@ here too (504), so a lost abort from the gateway cannot keep state forever.
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
 import hmac
+import json
 import logging
 import socket
 import threading
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse
 from engine.core.llm_engine import LLMEngine
 from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
+from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
 from kvtransfer.wire import model_fingerprint
 from server.gateway.protocol import error_body
@@ -61,6 +64,7 @@ class WorkerOptions:
     heartbeat_timeout_s: float = 5.0   # a silent gateway connection is dropped after this
     drain_timeout_s: float = 30.0      # SIGTERM: in-flight samples get this long, then are aborted
     cluster_secret: str | None = None  # CURVE on every ZMQ socket, and HTTP needs "Bearer <secret>"
+    weights_digest: str | None = None  # engine.checkpoint.digest: part of the fingerprint (None: unknown)
 
 
 def quantization_label(q) -> str:
@@ -70,8 +74,15 @@ def quantization_label(q) -> str:
     return q.quant_type or ("fp8-mxfp4" if q.expert_dtype == "fp4" else "fp8")
 
 
-def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
+def state_fingerprint(engine: LLMEngine, weights: str | None = None) -> tuple[str, dict]:
     """The model fingerprint and state layout both sides of a transfer must agree on.
+
+    ``weights``: the checkpoint's weights digest (``engine.checkpoint.digest.weights_digest``:
+    "sha256:<hex>"; None: unknown, e.g. an engine built in-process from random weights).
+    The layout names what the fingerprint covers, so a refusal (the handshake's, or the gateway's
+    when it pairs instances: ``kvtransfer.compat``) says which part differs: ``kv_dtype`` (the
+    dtype the state tensors travel in), ``config`` (sha256 of config.json's keys, 16 hex),
+    ``weights``; then the state's own format.
 
     ``parallel.state`` "whole": a request's state travels unsharded from the prefill leader to the
     decode leader (every rank holds it whole: attention is not sharded), so instances of any
@@ -79,9 +90,12 @@ def state_fingerprint(engine: LLMEngine) -> tuple[str, dict]:
     sharding here and be refused at the handshake (``kvtransfer.interfaces``), never mid-transfer.
     """
     a = engine.model.args
+    config = a.to_dict()
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()
     layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
-              "parallel": {"state": "whole"}}
-    return model_fingerprint(a.to_dict(), engine.model.dtype, layout), layout
+              "parallel": {"state": "whole"}, "kv_dtype": str(engine.model.dtype).removeprefix("torch."),
+              "config": hashlib.sha256(blob).hexdigest()[:16], "weights": weights}
+    return model_fingerprint(config, engine.model.dtype, layout), layout
 
 
 class Worker:
@@ -93,7 +107,11 @@ class Worker:
     def __init__(self, engine: LLMEngine, opts: WorkerOptions):
         self.engine, self.opts = engine, opts
         self.instance_id = uuid.uuid4().hex[:12]
-        self.fingerprint, self.layout = state_fingerprint(engine)
+        self.fingerprint, self.layout = state_fingerprint(engine, opts.weights_digest)
+        # what this worker's sender / receiver will state in the handshake; in every pong, so the
+        # gateway pairs only instances that would agree (kvtransfer.compat, the same rule)
+        self.handshake = handshake_fields(opts.transport, self.fingerprint, self.layout,
+                                          str(engine.model.embed.weight.device))
         self.metrics = WorkerMetrics(opts.model_name, self.role)
         self.ctx = zmq.Context()         # its own: close() terms it, which flushes the last replies
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -243,7 +261,7 @@ class Worker:
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "reserved": len(e.reserved), "batch_size": e.limits.batch_size, "kv_usage": used,
                 "free_blocks": free, "total_blocks": total, "max_model_len": e.limits.max_model_len,
-                "fingerprint": self.fingerprint, **self.extra_load()}
+                "fingerprint": self.fingerprint, "handshake": self.handshake, **self.extra_load()}
 
     def _drain_requests(self) -> None:
         while True:
