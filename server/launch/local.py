@@ -115,8 +115,10 @@ class LocalPD:
         out = open(self.log_path, "w") if self.log_path else None
         self._log = out
         for name, cmd in self.cmds.items():
+            # a process group of their own: a terminal's Ctrl-C reaches only the launcher, whose one
+            # SIGTERM drains them (a SIGINT as well would be the "second signal": exit at once)
             self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                                env=self.env, preexec_fn=term_with_parent)
+                                                env=self.env, preexec_fn=term_with_parent, process_group=0)
         end = time.monotonic() + timeout_s
         while True:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -147,7 +149,7 @@ class LocalPD:
             raise RuntimeError(f"{name} is still running")
         self.procs[name] = subprocess.Popen(self.cmds[name], stdout=self._log,
                                             stderr=subprocess.STDOUT if self._log else None,
-                                            env=self.env, preexec_fn=term_with_parent)
+                                            env=self.env, preexec_fn=term_with_parent, process_group=0)
 
     def ready(self, name: str) -> dict:
         """A worker's /ready body (its load: running, reserved, free_blocks, ...)."""
@@ -164,8 +166,9 @@ class LocalPD:
                     return p.returncode
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        stop_processes(self.procs.values(), 15)
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM every process (they drain), SIGKILL what still runs ``timeout_s`` later."""
+        stop_processes(self.procs.values(), timeout_s)
         if getattr(self, "_log", None):
             self._log.close()
             self._log = None

@@ -263,5 +263,5 @@ def run_local(args) -> int:
                 break
             time.sleep(0.2)
     finally:
-        pd.stop()
+        pd.stop(args.drain_timeout_s + 5)      # in-flight streams finish (the children drain)
     return rc

@@ -2,6 +2,8 @@
 serves a request, and SIGTERM stops all three processes with status 0."""
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -72,12 +74,15 @@ def test_port_in_use_exits_2(tiny_ckpt):
     assert r.returncode == 2 and "cannot start the prefill worker" in r.stderr
 
 
-def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
-    """Also: --api-key reaches the gateway child (by environment, not argv)."""
+def test_local_role_serves_and_a_terminal_ctrl_c_lets_streams_finish(tiny_ckpt):
+    """Ctrl-C in a terminal is SIGINT to the launcher's whole process group: the children run in
+    their own groups, so only the launcher gets it and drains them once (a stream in flight gets
+    all its tokens); all three exit 0. Also: --api-key reaches the gateway child (by environment,
+    not argv)."""
     port = free_port()
     p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
                                    str(tiny_ckpt("flash", 1)), "--port", str(port), "--api-key", "sk-local-123"],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         end = time.monotonic() + 300
@@ -97,7 +102,18 @@ def test_local_role_serves_and_stops_cleanly_on_sigterm(tiny_ckpt):
         assert not [c for c in _children(p.pid) if "sk-local-123" in Path(f"/proc/{c}/cmdline").read_text()]
         children = _children(p.pid)
         assert len(children) == 3
-        p.send_signal(signal.SIGTERM)
+        body = {**body, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True}}
+        chunks, usage = 0, None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": "Bearer sk-local-123"}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    chunks += 1
+                    if chunks == 2:
+                        os.killpg(p.pid, signal.SIGINT)
+        assert usage is not None and usage["completion_tokens"] == 48      # the stream was not cut
         assert p.wait(60) == 0
         assert not [c for c in children if Path(f"/proc/{c}").exists()]
     finally:
