@@ -7,6 +7,7 @@ The README's fault table lists these cases; the timeouts here are short (``--wor
 """
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -22,6 +23,8 @@ from engine.run_config import RunConfig
 from engine.core.sampling_params import SamplingParams
 from pd_util import CONFIG, start_pd, wait_idle
 from pd_util import rand_prompt as _prompt
+from server.backends.base import BackendError, GenRequest
+from server.backends.pd import PDBackend
 from server.launch.local import log_tail
 
 WORKER_TIMEOUT_S = 2.0
@@ -176,6 +179,35 @@ def test_decode_killed_mid_stream_streams_migrate_exactly(cluster, reference):
           f"{max(bg.done_at for bg in bgs) - t_kill:.2f} s after the kill")
     assert h["migrations"] > h0["migrations"] and len(h["healthy_decode"]) == 1
     _wait_all_healthy(cluster)                     # restarted behind the same address: taken back
+    _wait_idle(cluster)
+
+
+def test_with_no_migration_left_a_lost_decode_ends_the_stream_with_an_error(cluster):
+    """A gateway with ``max_migrations=0`` (here a ``PDBackend`` in this process, on the cluster's
+    workers): kill -9 of the decode mid-stream ends the sample with a 502 naming the decode."""
+    _wait_all_healthy(cluster)
+    addrs = {r: cluster.cmds["gateway"][cluster.cmds["gateway"].index(f"--{r}-addrs") + 1].split(",")
+             for r in ("prefill", "decode")}
+    backend = PDBackend(addrs["prefill"], addrs["decode"], worker_timeout_s=WORKER_TIMEOUT_S, max_migrations=0)
+    req = GenRequest("nomig-1", _prompt(40, 21), SamplingParams(max_new_tokens=400, temperature=0.8, seed=3,
+                                                                ignore_eos=True))
+
+    async def run():
+        await backend.start()
+        try:
+            assert await backend.wait_ready(30)
+            n, victim = 0, None
+            async for ev in backend.generate(req):
+                n += len(ev.token_ids)
+                if n >= 5 and victim is None:
+                    victim = next(d for d in ("decode0", "decode1") if cluster.ready(d)["running"])
+                    cluster.signal(victim, signal.SIGKILL)
+        finally:
+            await backend.close()
+    with pytest.raises(BackendError, match="decode instance .* mid-stream") as e:
+        asyncio.run(run())
+    assert e.value.status == 502
+    _wait_all_healthy(cluster)
     _wait_idle(cluster)
 
 
