@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,7 +27,35 @@ def term_with_parent() -> None:
         pass
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, for a process started later to bind. Chosen below the
+    kernel's ephemeral range where it can be: an outgoing connection opened meanwhile (rank
+    rendezvous, gloo, ZMQ) takes its local port from that range and would steal a port picked
+    there, which the worker then fails to bind. Not handed out twice by this process."""
+    hi = _ephemeral_low() - 1
+    lo = max(1024, hi - 12000)
+    for _ in range(200) if hi > lo else ():
+        port = random.randint(lo, hi)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

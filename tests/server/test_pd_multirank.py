@@ -24,6 +24,11 @@ def _health(pd, name: str) -> dict:
     return httpx.get(pd.ready_urls[name].replace("/ready", "/health"), timeout=5).json()
 
 
+def _both_healthy(pd) -> bool:
+    h = httpx.get(pd.base_url + "/health", timeout=5).json()
+    return len(h["healthy_prefill"]) == 2 and len(h["healthy_decode"]) == 2
+
+
 def _gone(pid: int) -> bool:
     """Exited (a zombie no one has reaped yet counts)."""
     try:
@@ -86,6 +91,8 @@ def test_a_lost_rank_takes_its_instance_out_and_the_gateway_serves_through_the_o
                   instance_args={"prefill0": PREFILL2, "decode0": DECODE2})
     client = OpenAI(base_url=pd.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
     try:
+        # the gateway is healthy with one pair; the 2-rank instances may still be loading
+        _wait(lambda: _both_healthy(pd), 120, "all four instances in routing")
         for i in range(4):
             _serve(client, 40 + i, i, reference)
         # kill -9 a follower while streams run: its leader leaves (exits 1) within the rank timeout
