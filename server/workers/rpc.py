@@ -2,13 +2,15 @@
 
 Gateway -> worker (ZMQ DEALER -> ROUTER):
     {"op": "ping"}                                             -> {"op": "pong", ...load...}
-    {"op": "reserve", "rid", "prompt_ids", "params", "lease_s"[, "deadline_s"]}
-                                                       (decode) -> {"op": "reserved", "rid", "state_addr"}
-    {"op": "prefill", "rid", "prompt_ids", "params", "dest"[, "deadline_s"]}
+    {"op": "reserve", "rid", "prompt_ids", "params", "lease_s"[, "output_ids", "deadline_s"]}
+                                    (decode) -> {"op": "reserved", "rid", "state_addr", "instance_id", "lease_s"}
+    {"op": "renew", "rids"}        (decode) the gateway still waits for these reservations' state: leases restart
+    {"op": "prefill", "rid", "prompt_ids", "params", "dest"[, "output_ids", "deadline_s"]}
                                                        (prefill) -> {"op": "first", ...} then {"op": "transferred", ...}
     {"op": "abort", "rid"}
 ``deadline_s``: seconds the sample may still run (the request's deadline); past it the worker
-aborts the sample and answers ``error`` 504.
+aborts the sample and answers ``error`` 504. ``output_ids``: the tokens a migrated stream already
+delivered (its decode was lost): both workers compute prompt + these and sample on after them.
 Worker -> gateway:
     {"op": "out", "items": [{"rid", "ids", "lps", "done", "reason"}]}   decode, once per step
     {"op": "error", "rid", "status", "message"}                         any failure of a sample's leg
