@@ -168,6 +168,15 @@ class Worker:
     def on_deadline(self, rid: str) -> None:
         """``rid``'s deadline passed: abort it with 504 if it still runs."""
 
+    def owner_gone(self, owner: bytes) -> None:
+        """The gateway connection ``owner`` is gone (a reply to it failed: killed, or a blip the
+        gateway retries elsewhere): nobody reads its samples, so abort them and free their state."""
+
+    def gateway_connections(self) -> set[bytes]:
+        """The gateway connections of the samples held here (probed once a second: a reply to a
+        gone one fails at once, so a dead gateway's samples are freed within a second)."""
+        return set()
+
     # ---- deadlines and drain -----------------------------------------------------------------
     def live_rids(self) -> set[str] | dict:
         """The samples a deadline can still apply to."""
@@ -242,7 +251,8 @@ class Worker:
         return max(0, min(self.opts.idle_poll_ms, int((t - time.monotonic()) * 1000) + 1))
 
     def reply(self, identity: bytes, msg: dict) -> bool:
-        """Send to a gateway connection; False (logged) if it is gone."""
+        """Send to a gateway connection; False (logged) if it is gone, whose samples are then
+        aborted (``owner_gone``: a pong every ping period finds a dead gateway within one)."""
         try:
             self.sock.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
             return True
@@ -251,6 +261,7 @@ class Worker:
             if now - self._last_gone_log >= 10:
                 log.warning("%s: reply %s to a gone gateway connection: %s", self.role, msg.get("op"), e)
                 self._last_gone_log = now
+            self.owner_gone(identity)
             return False
 
     def load(self) -> dict:
@@ -298,7 +309,7 @@ class Worker:
     def run(self) -> None:
         """The loop: requests, role work, one engine step, outputs. Returns when ``stop`` is set."""
         self.ready = not self.draining
-        last_gauges = 0.0
+        last_gauges = last_probe = 0.0
         stepped = False
         try:
             while not self.stop.is_set():
@@ -332,6 +343,10 @@ class Worker:
                 if now - last_gauges > 0.1:
                     self._update_gauges()
                     last_gauges = now
+                if now - last_probe > 1.0:
+                    for owner in self.gateway_connections():
+                        self.reply(owner, {"op": "probe"})
+                    last_probe = now
         finally:
             self.ready = False
 

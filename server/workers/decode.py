@@ -119,21 +119,21 @@ class DecodeWorker(Worker):
             except CacheFullError:
                 return
             except RequestError as e:
+                del self.queued[rid]
                 self.owners.pop(rid, None)
                 self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
-            else:
-                self.metrics.queue.observe(time.monotonic() - arrival)
-                self._reserved(identity, rid, prompt, outs, params, lease)
-            del self.queued[rid]
+                continue
+            del self.queued[rid]                   # before any reply: a gone owner aborts what it holds
+            self.metrics.queue.observe(time.monotonic() - arrival)
+            self._reserved(identity, rid, prompt, outs, params, lease)
 
     def _reserved(self, identity: bytes, rid: str, prompt: list[int], outs: list[int], params,
                   lease: float) -> None:
         self.table.expect(rid, len(prompt) + len(outs), lease, identity)
         self.owners[rid] = identity
         self.emit[rid] = (params.logprobs is not None, len(outs) + 1)     # + token #1 from prefill
-        if not self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
-                                     "instance_id": self.instance_id, "lease_s": lease}):
-            self._abort(rid)                 # its gateway is gone: nobody will prefill it
+        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
+                              "instance_id": self.instance_id, "lease_s": lease})   # gone: aborted
 
     def _abort(self, rid: str, reason: str = "abort") -> None:
         if self.queued.pop(rid, None) is not None:
@@ -185,8 +185,10 @@ class DecodeWorker(Worker):
         for rid in list(self.table.pending):
             self._abort(rid)
 
-    def _owner_gone(self, owner: bytes) -> None:
-        """The gateway connection of these samples is gone: nobody reads them, free their state."""
+    def gateway_connections(self) -> set[bytes]:
+        return set(self.owners.values())
+
+    def owner_gone(self, owner: bytes) -> None:
         rids = [r for r, o in self.owners.items() if o == owner]
         if rids:
             log.warning("decode: gateway connection gone: aborting %d samples", len(rids))
@@ -263,8 +265,7 @@ class DecodeWorker(Worker):
                 self.owners.pop(rid, None)
                 self.emit.pop(rid, None)
         for owner, items in batches.items():
-            if not self.reply(owner, {"op": "out", "items": items}):
-                self._owner_gone(owner)
+            self.reply(owner, {"op": "out", "items": items})     # a gone owner's samples are aborted
 
     def close(self) -> None:
         super().close()

@@ -104,10 +104,23 @@ class PrefillWorker(Worker):
         for rid, job in list(self.jobs.items()):
             self._fail(rid, job, status, message)
 
+    def gateway_connections(self) -> set[bytes]:
+        return {job.identity for job in self.jobs.values()}
+
+    def owner_gone(self, owner: bytes) -> None:
+        rids = [r for r, job in self.jobs.items() if job.identity == owner]
+        if rids:
+            log.warning("prefill: gateway connection gone: aborting %d samples", len(rids))
+        for rid in rids:
+            self._abort(rid)
+            self.metrics.success("abort")
+
     def _abort(self, rid: str) -> None:
         job = self.jobs.pop(rid, None)
         self.engine.abort(rid)
-        if job is not None and job.sent_layers and not job.first_sent:
+        # the reservation learns it at once, even with no layer sent yet (a gone gateway cannot
+        # abort it there; decode drops a cancel for an id it already retired)
+        if job is not None and not job.first_sent:
             self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, "aborted"))
 
     # ---- state push ------------------------------------------------------------------------
@@ -137,8 +150,9 @@ class PrefillWorker(Worker):
         e = self.engine
         reason = finish_reason(tok, job.num_before + 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
-        self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
-                                  "reason": reason.value if reason else None, "queue_s": out.queue_time_s})
+        if not self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
+                                         "reason": reason.value if reason else None, "queue_s": out.queue_time_s}):
+            return                               # its gateway is gone: aborted and freed (``owner_gone``)
         job.first_sent = True
         seq = e.held.get(rid)
         e.release(rid)
