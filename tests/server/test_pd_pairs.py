@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from .common import FP, REPO, free_port, state_msg
+from .common import REPO, free_port, state_msg
 from relay_util import Relay
 
 _DECODE = r"""
