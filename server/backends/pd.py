@@ -233,7 +233,9 @@ class PDBackend:
         self._streams[rid], self._legs[rid] = leg.queue, leg
         try:
             fields = {"params": params_to_dict(req.params), **({"output_ids": list(done)} if done else {})}
+            t0 = time.monotonic()
             dest = await self._reserve(leg, req, fields)
+            room_s = time.monotonic() - t0          # waited for decode room: part of the queue time
             first, early = await self._prefill(leg, req, fields, dest)
             leg.first_token()
             tok = first["id"]
@@ -241,7 +243,8 @@ class PDBackend:
                 leg.finished()
                 await self.links.abort(dec, rid)
             yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
-                             len(req.prompt_ids), None if done else first.get("queue_s"))
+                             len(req.prompt_ids), None if done or first.get("queue_s") is None
+                             else room_s + first["queue_s"])
             if first["done"]:
                 return
             pending = [("out", m) for m in early]

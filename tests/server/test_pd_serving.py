@@ -170,6 +170,9 @@ def test_64_concurrent_streams_complete_and_metrics_add_up(cluster, reference):
                    - _histogram_count(before_text[n], "dsv4:kv_transfer_latency_seconds") for n in names) == 64
     assert sum(_histogram_count(after_text[n], "dsv4:request_reservation_wait_seconds")
                - _histogram_count(before_text[n], "dsv4:request_reservation_wait_seconds") for n in dec) == 64
+    for names in (dec, ["gateway"]):       # decode: the wait for room; gateway: that + prefill's queue
+        assert sum(_histogram_count(after_text[n], "dsv4:request_queue_time_seconds")
+                   - _histogram_count(before_text[n], "dsv4:request_queue_time_seconds") for n in names) == 64
     used = {n: _delta(before[n], after[n], "dsv4:prompt_tokens_total") for n in pre + dec}
     assert all(used.values()), f"least-loaded routing should use every instance: {used}"
 
