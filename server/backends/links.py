@@ -158,10 +158,9 @@ class WorkerLinks:
     async def _reconnected(self, inst: Instance) -> None:
         """A (re)connected instance: the aborts it missed while away are sent now, then a ping."""
         aborts, inst.pending_aborts = inst.pending_aborts, {}
-        with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            for rid in aborts:
-                await inst.sock.send(pack({"op": "abort", "rid": rid}), zmq.NOBLOCK)
-            await inst.sock.send(pack({"op": "ping"}), zmq.NOBLOCK)
+        for rid in aborts:
+            await self.abort(inst, rid)         # dropped again (kept) if the connection went meanwhile
+        await self.send_quietly(inst, {"op": "ping"})
 
     async def _reader(self, inst: Instance) -> None:
         while True:
