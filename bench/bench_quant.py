@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.checkpoint.layout import model_linears  # noqa: E402
-from engine.checkpoint.loader import dequant_linear, load_model  # noqa: E402
+from engine.checkpoint.formats import dequant_linear
+from engine.checkpoint.loader import load_model  # noqa: E402
 from engine.checkpoint.make_tiny import make_tiny  # noqa: E402
 from engine.checkpoint.qscheme import QUANT_TYPES  # noqa: E402
 from engine.checkpoint.shards import ShardReader, scan_checkpoint  # noqa: E402

@@ -121,7 +121,8 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
             apply_parallel(model, pc, rank)
 
     model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
-                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check)
+                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check,
+                       mtp=cfg.model_config.next_n > 0)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
     engine = _size(cfg, model, path, executor)
     if graph and ex.graph:

@@ -35,7 +35,7 @@ from engine.checkpoint.fp8_mxfp4 import QuantFormatError
 from engine.checkpoint.hif8 import hif8_quant_per_channel
 from engine.checkpoint.int8_int4 import int4_bias, pack_int4_rows, quant_int4, quant_int8, scale_to_u64
 from engine.checkpoint.layout import LinearSpec, checkpoint_layout, model_linears
-from engine.checkpoint.loader import dequant_linear, stored_args
+from engine.checkpoint.formats import dequant_linear, stored_args
 from engine.checkpoint.mx import quant_mx
 from engine.checkpoint.qscheme import QUANT_TYPES, compressed_tensors_config, linear_format
 from engine.checkpoint.shards import (DTYPE_BYTES, INDEX_FILE, CheckpointError, ShardReader, StoredTensor,

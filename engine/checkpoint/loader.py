@@ -1,49 +1,47 @@
-"""Checkpoint loading: validate the stored layout, then fill the model tensor by tensor.
+"""Checkpoint loading: validate the stored layout, then fill the model with the stored tensors as they are.
 
 Before any weight is read, the shard headers are checked against the layout config.json implies
-(``engine.checkpoint.shards``). Tensors are then read lazily (one at a time), dequantised (FP8
-block / MXFP4, reference §2.1; the converted int8 / int4 / MXFP8 / MXFP4 / HiF8 layouts of §7) and
-copied into the model's compute dtype; problems raise ``engine.checkpoint.shards.CheckpointError``.
-A converted linear's activation quantisation (``engine.checkpoint.qscheme.ACT_SCHEME``) is set on
-its module.
+(``engine.checkpoint.shards``). The model is built on the meta device, every parameter is given
+its stored dtype and shape (FP8 + e8m0 block scales, MXFP4 experts, the converted int8 / int4 /
+MXFP8 / MXFP4 / HiF8 layouts of reference §7, bf16 / fp32 tensors as stored: resident bytes are
+the stored bytes), a ``shard`` function may cut it for one rank, and then each kept tensor (or
+slice) is copied once from the memory-mapped shard into its destination on the target device,
+several at a time (a thread pool; ``Tensor.copy_`` releases the GIL). Quantised linears and experts
+carry ``fmt`` (``engine.ops.packed``) and run through ``ops.quant_linear`` / ``ops.moe_experts``;
+``packed=False`` dequantises them once into dense compute-dtype weights instead (the dequantised
+reference path the numerics tests compare against). Problems raise
+``engine.checkpoint.shards.CheckpointError``.
 """
 from __future__ import annotations
 
-import dataclasses
+import logging
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from engine.checkpoint.fp8_mxfp4 import QuantFormatError, dequant_fp8_block, dequant_mxfp4
-from engine.checkpoint.hif8 import hif8_decode
-from engine.checkpoint.int8_int4 import dequant_int, int4_bias, u64_to_scale, unpack_int4_rows
-from engine.checkpoint.layout import LinearSpec, checkpoint_layout, linear_tensors, model_linears
-from engine.checkpoint.mx import dequant_mx
+from engine.checkpoint.formats import stored_args
+from engine.checkpoint.layout import checkpoint_layout, model_linears
+from engine.checkpoint.mapped import TORCH_DTYPES, MappedShards
 from engine.checkpoint.qscheme import ACT_SCHEME
-from engine.checkpoint.shards import (CheckpointError, ShardReader, StoredTensor, scan_checkpoint,
-                                      validate_layout)
+from engine.checkpoint.shards import CheckpointError, StoredTensor, scan_checkpoint, validate_layout
+from engine.checkpoint.values import check_int4_bias, check_values
 from engine.config import ModelArgs
-from engine.model.layers import deferred_params, materialize
+from engine.model.layers import deferred_params
+from engine.model.moe import Experts
 from engine.model.transformer import Transformer
 from engine.ops import REFERENCE, Ops
+from engine.ops.packed import dequant
 
-
-def _local(target: torch.Tensor, idx: int | None) -> tuple[torch.Tensor, tuple] | None:
-    """Where this rank keeps checkpoint tensor ``target[idx]`` (``idx``: a stacked expert) of a
-    model sharded before loading (``shard_cuts``: (dim, first, length) of the full tensor each
-    kept; ``engine.parallel.shard``): (destination, cuts of the stored tensor), or None when the
-    rank keeps none of it (another EP shard's expert)."""
-    cuts = getattr(target, "shard_cuts", ())
-    if idx is not None:
-        first, n = next(((lo, n) for d, lo, n in cuts if d == 0), (0, target.shape[0]))
-        if not first <= idx < first + n:
-            return None
-        target, cuts = target[idx - first], tuple((d - 1, lo, n) for d, lo, n in cuts if d != 0)
-    for d, _, n in cuts:                 # a padded shard (LM head): the stored rows fill its first n
-        target = target.narrow(d, 0, n)
-    return target, cuts
+log = logging.getLogger(__name__)
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale|bias)$")
+PROGRESS_EVERY_S = 5.0
 
 
 def narrow_cuts(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
@@ -53,126 +51,155 @@ def narrow_cuts(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
     return t
 
 
-def _target(model: Transformer, name: str) -> tuple[torch.Tensor, int | None]:
-    """Model tensor for checkpoint tensor ``name`` (stacked experts: tensor and expert index)."""
-    parts = name.split(".")
-    if ".experts." in name and parts[-2] in ("w1", "w2", "w3") and parts[-3].isdigit():
-        stacked = ".".join(parts[:-3] + [parts[-2]])
-        return model.get_parameter(stacked), int(parts[-3])
-    try:
-        return model.get_parameter(name), None
-    except AttributeError:
-        return model.get_buffer(name), None
+def param_of(name: str) -> tuple[str, str, int | None]:
+    """Checkpoint tensor ``name`` -> (module path, attribute, expert index or None). Routed experts
+    are stacked: ``P.experts.{e}.w1.weight`` / ``.scale`` / ``.bias`` -> ``P.experts`` ``w1`` /
+    ``w1_scale`` / ``w1_bias`` [e]; every other name is ``module path . attribute``."""
+    m = _EXPERT.match(name)
+    if m:
+        prefix, e, w, part = m.groups()
+        return prefix, (w if part == "weight" else f"{w}_{part}"), int(e)
+    mod, _, attr = name.rpartition(".")
+    return mod, attr, None
 
 
-def dequant_linear(name: str, kind: str, get, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Dense fp32 ``[out, in]`` of linear ``name`` stored as ``kind`` (``engine.checkpoint.layout`` kinds).
-
-    Args:
-        get: ``tensor name -> torch.Tensor`` (a shard reader).
-    Raises:
-        QuantFormatError: a scale or int4 bias that does not fit its weight.
-    """
-    w = get(f"{name}.weight")
-    if kind == "bf16":
-        return w.float()
-    s = get(f"{name}.scale")
-    if kind == "fp8":
-        return dequant_fp8_block(w, s, block)
-    if kind == "fp4":
-        return dequant_mxfp4(w, s)
-    if kind in ("mxfp8", "mxfp4"):
-        return dequant_mx(w, s)
-    if kind == "int8":
-        return dequant_int(w, s)
-    if kind == "hif8":
-        return hif8_decode(w) * s.float()
-    if kind == "int4":
-        q, scale = unpack_int4_rows(w), u64_to_scale(s)
-        # upstream computes the bias in bf16: allow 2^-6 of sum_k |8 s q| (a stale or foreign bias is off by O(1))
-        tol = (8 * scale.float() * q.float()).abs().sum(1) * 2 ** -6 + 1e-6
-        if ((get(f"{name}.bias").float() - int4_bias(q, scale)).abs() > tol).any():
-            raise QuantFormatError("int4 assistance bias does not equal sum_k 8 * scale * q (stale or foreign bias)")
-        return dequant_int(q, scale)
-    raise QuantFormatError(f"unknown storage kind {kind!r}")
-
-
-def _dequant(name: str, lin: LinearSpec, reader: ShardReader, args: ModelArgs) -> torch.Tensor:
-    try:
-        return dequant_linear(name, lin.kind, reader.get, args.quant.weight_block_size if args.quant else (128, 128))
-    except QuantFormatError as e:
-        raise CheckpointError(f"checkpoint: tensor '{name}.weight': {e}") from None
-
-
-PACKED_KINDS = ("int8", "mxfp8", "hif8")     # can stay as stored on packable Linears (ops.quant_linear)
-
-
-def packed_kinds(ops: Ops, packed: bool | None) -> tuple[str, ...]:
-    """Formats kept as stored: all of ``PACKED_KINDS`` (True), none (False), or by default those the
-    ops table has a fused kernel for (int8 when ``ops.quant_linear`` is a platform kernel): the
-    reference would dequantise the whole weight on every call, slower than a dense weight."""
-    if packed is not None:
-        return PACKED_KINDS if packed else ()
-    return ("int8",) if ops.quant_linear is not REFERENCE.quant_linear else ()
-
-
-def _stored_module(model: Transformer, name: str, kind: str, kinds: tuple[str, ...]):
-    """The Linear that keeps linear ``name`` as stored, or None (dense weight)."""
-    if kind not in kinds or ".experts." in name:
-        return None
-    mod = model.get_submodule(name)
-    return mod if getattr(mod, "packable", False) else None
-
-
-def _set_act(model: Transformer, name: str, kind: str) -> None:
-    """Record the activation quantisation of a converted linear on its module (Linear or Experts)."""
-    act = ACT_SCHEME[kind]
-    if act is None:
+def _set(module: nn.Module, attr: str, t: torch.Tensor, like: torch.Tensor | None = None) -> None:
+    """Put ``t`` in ``module`` as parameter / buffer ``attr`` (keeping ``like``'s ``shard_cuts``)."""
+    if attr in module._buffers:
+        module._buffers[attr] = t
         return
-    parts = name.split(".")
-    if ".experts." in name and parts[-2].isdigit():
-        model.get_submodule(".".join(parts[:-2])).act = act
-    else:
-        model.get_submodule(name).act = act
+    p = nn.Parameter(t, requires_grad=False)
+    if like is not None and hasattr(like, "shard_cuts"):
+        p.shard_cuts = like.shard_cuts
+    module._parameters[attr] = p
 
 
-def _check_values(name: str, t: torch.Tensor, args: ModelArgs) -> None:
-    if t.is_floating_point() and not torch.isfinite(t).all():
-        raise CheckpointError(f"checkpoint: tensor '{name}' holds NaN or inf values")
-    if name.endswith("tid2eid") and (t.min() < 0 or t.max() >= args.n_routed_experts):
-        raise CheckpointError(f"checkpoint: tensor '{name}' has expert ids outside [0, {args.n_routed_experts})")
+def _to_stored(model: Transformer, args: ModelArgs, found: dict[str, StoredTensor]) -> None:
+    """Give every parameter (on meta) the dtype and shape of what the checkpoint stores for it,
+    and set ``fmt`` / ``act`` / ``block`` on the quantised linears and experts."""
+    seen = set()
+    for name, t in found.items():
+        mod, attr, e = param_of(name)
+        if (mod, attr) in seen:
+            continue
+        seen.add((mod, attr))
+        shape = t.shape if e is None else (args.n_routed_experts, *t.shape)
+        _set(model.get_submodule(mod), attr, torch.empty(shape, dtype=TORCH_DTYPES[t.dtype], device="meta"))
+    block = tuple(args.quant.weight_block_size) if args.quant else (128, 128)
+    for name, lin in model_linears(args).items():
+        if f"{name}.weight" not in found:                     # a skipped MTP block
+            continue
+        fmt, act = (None if lin.kind == "bf16" else lin.kind), ACT_SCHEME[lin.kind]
+        module = model.get_submodule(name.rsplit(".", 2)[0] if ".experts." in name else name)
+        if fmt is not None or act is not None:
+            module.fmt, module.act, module.block = fmt, act, block
 
 
-def stored_args(args: ModelArgs, found: dict[str, StoredTensor]) -> ModelArgs:
-    """``args`` with the quant type the stored tensors are in.
+def _jobs(model: Transformer, found: dict[str, StoredTensor]) -> list[tuple]:
+    """One job per destination tensor: (module, attr, [(checkpoint name, cuts, index in dst)], bytes).
 
-    A HiF8 compressed-tensors config reads the same whether ``convert-config --hif`` wrote it over
-    the original FP8 tensors or ``convert-model --quant-type w4a8-mx-hif`` wrote it over HiF8 ones
-    (reference §1.3, §7); the dtype of the first ``wq_b`` weight tells which.
-    """
-    q = args.quant
-    probe = found.get("layers.0.attn.wq_b.weight")
-    if q is not None and q.quant_type == "w4a8-mx-hif" and probe is not None and probe.dtype == "F8_E4M3":
-        return dataclasses.replace(args, quant=dataclasses.replace(q, quant_type=None))
-    return args
+    A sharded parameter's ``shard_cuts`` name the slice it keeps (in stored coordinates); a stacked
+    expert tensor keeps the experts of its dim-0 cut and reads only theirs."""
+    names: dict[tuple[str, str], list[tuple[str, int | None]]] = {}
+    for name in found:
+        mod, attr, e = param_of(name)
+        names.setdefault((mod, attr), []).append((name, e))
+    jobs = []
+    for (mod, attr), srcs in names.items():
+        module = model.get_submodule(mod)
+        p = getattr(module, attr)
+        cuts = tuple(getattr(p, "shard_cuts", ()))
+        if srcs[0][1] is None:
+            sources = [(srcs[0][0], cuts, None)]
+        else:
+            lo, n = next(((lo, n) for d, lo, n in cuts if d == 0), (0, p.shape[0]))
+            rest = tuple((d - 1, a, b) for d, a, b in cuts if d != 0)
+            sources = [(nm, rest, e - lo) for nm, e in srcs if lo <= e < lo + n]
+        jobs.append((module, attr, sources, p.numel() * p.element_size()))
+    return sorted(jobs, key=lambda j: -j[3])
+
+
+def _fill(job: tuple, views: MappedShards, device: torch.device, args: ModelArgs) -> torch.Tensor:
+    """Copy one job's sources into a new tensor on ``device`` (checked where cheap)."""
+    module, attr, sources, _ = job
+    p = getattr(module, attr)
+    dst = torch.empty(p.shape, dtype=p.dtype, device=device)
+    for name, cuts, idx in sources:
+        src = narrow_cuts(views.view(name), cuts)
+        check_values(name, src, args)
+        d = dst if idx is None else dst[idx]
+        if tuple(src.shape) != tuple(d.shape):                 # a padded shard (LM head): rows past the slice are 0
+            d.zero_()
+            d = d[tuple(slice(0, n) for n in src.shape)]
+        d.copy_(src)
+    return dst
+
+
+def _read_all(model: Transformer, jobs: list[tuple], views: MappedShards, device, args: ModelArgs,
+              threads: int, progress: bool) -> None:
+    total = sum(j[3] for j in jobs)
+    bar = tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress)
+    t0 = last = time.monotonic()
+    done = 0
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = {pool.submit(_fill, job, views, device, args): job for job in jobs}
+        try:
+            for fut in as_completed(futures):
+                module, attr, _, nbytes = job = futures[fut]
+                _set(module, attr, fut.result(), getattr(module, attr))
+                done += nbytes
+                bar.update(nbytes)
+                now = time.monotonic()
+                if now - last >= PROGRESS_EVERY_S:
+                    last = now
+                    log.info("loading weights: %.2f / %.2f GB (%d%%), %.0f MB/s", done / 1e9, total / 1e9,
+                             100 * done // max(total, 1), done / 1e6 / (now - t0))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    bar.close()
+    dt = time.monotonic() - t0
+    log.info("loaded %.2f GB of weights in %.1f s (%.0f MB/s, %d threads)", total / 1e9, dt, total / 1e6 / max(dt, 1e-9),
+             threads)
+
+
+def densify(model: Transformer) -> None:
+    """Dequantise every quantised linear / expert stack once into a dense weight of its
+    ``compute_dtype`` (the dequantised reference path; memory as the dense model)."""
+    for mod in model.modules():
+        if getattr(mod, "fmt", None) is None:
+            continue
+        if isinstance(mod, Experts):
+            for w, p in zip(("w1", "w3", "w2"), mod.stored()):
+                _set(mod, w, dequant(p, mod.compute_dtype), getattr(mod, w))
+                for part in ("scale", "bias"):
+                    mod._parameters[f"{w}_{part}"] = None
+        else:
+            _set(mod, "weight", dequant(mod.packed, mod.compute_dtype), mod.weight)
+            mod._parameters["scale"] = mod._parameters["bias"] = None
+        mod.fmt = None
 
 
 def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               ops: Ops = REFERENCE, progress: bool = True, packed: bool | None = None,
-               shard: Callable[[Transformer], object] | None = None) -> Transformer:
+               ops: Ops = REFERENCE, progress: bool = True, packed: bool = True,
+               shard: Callable[[Transformer], object] | None = None, mtp: bool = False,
+               threads: int | None = None) -> Transformer:
     """Read config.json, validate the shards, and return a filled ``Transformer``.
 
     Args:
         ckpt_dir: checkpoint directory in the original DeepSeek-V4 layout or a converted one (§7).
         dtype: compute dtype, ``torch.float32`` or ``torch.bfloat16``.
-        progress: show a tqdm bar (stderr) while loading.
-        packed: keep converted int8 / MXFP8 / HiF8 linears as stored (``packed_kinds``); the
-            numerics are the same either way.
-        shard: shards the model before any weight is read (e.g. ``engine.parallel.shard.
-            apply_parallel`` for one rank): it gets the model with meta parameters (the
-            activation quantisation already set); a rank then holds only the slices it keeps
-            (``shard_cuts``), never reads another EP shard's experts, and of a bf16 / plain
-            tensor reads only its slice (a block-quantised one is read whole, then cut).
+        device: where the parameters are created and filled (no host copy of the model).
+        progress: show a tqdm bar (stderr); a log line with bytes/s is written either way.
+        packed: keep quantised weights as stored (default); False dequantises them once into
+            dense compute-dtype weights (the reference the numerics tests compare with).
+        shard: cuts the model before any weight is read (e.g. ``engine.parallel.shard.
+            apply_parallel`` for one rank): it gets the model with meta parameters in their stored
+            dtypes / shapes (``fmt`` / ``act`` set); a rank then reads only the slices it keeps
+            (``shard_cuts``) and never another EP shard's experts.
+        mtp: load the MTP block (``mtp.*``); without it ``model.mtp`` is empty.
+        threads: tensors copied at once (default: the CPU count, at most 8).
     Raises:
         ConfigError: bad config.json, or raised by ``shard``. CheckpointError: layout or value
             problems (one line each).
@@ -183,44 +210,18 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     found = scan_checkpoint(ckpt)
     args = stored_args(ModelArgs.from_json(ckpt), found)
     validate_layout(checkpoint_layout(args), found)
-    linears = model_linears(args)
-    if shard is None:
+    keep = {n: t for n, t in found.items() if mtp or not n.startswith("mtp.")}
+    with deferred_params():
         model = Transformer(args, dtype, ops)
-    else:
-        with deferred_params():
-            model = Transformer(args, dtype, ops)
-        for name, lin in linears.items():          # the shard's checks see what will be quantised
-            _set_act(model, name, lin.kind)
+    if not mtp:
+        model.mtp = nn.ModuleList()
+    _to_stored(model, args, keep)
+    if shard is not None:
         shard(model)
-        materialize(model)
-    covered = {t for n, lin in linears.items() for t in linear_tensors(n, lin, args)}
-    kinds = packed_kinds(ops, packed)
-    plain = [n for n in found if n not in covered]
-    with ShardReader(ckpt, found) as reader, torch.no_grad():
-        bar = tqdm(total=len(linears) + len(plain), desc="loading weights", unit="tensor", disable=not progress)
-        for name, lin in linears.items():
-            stored = _stored_module(model, name, lin.kind, kinds)
-            place = _local(*_target(model, f"{name}.weight")) if stored is None else None
-            if stored is None and place is None:
-                bar.update()
-                continue
-            if place is not None and place[1] and lin.kind == "bf16":     # a TP slice: read only it
-                w, place = reader.get(f"{name}.weight", place[1]).float(), (place[0], ())
-            else:
-                w = _dequant(name, lin, reader, args)
-            _check_values(f"{name}.weight", w, args)
-            if stored is not None:
-                stored.store_quantised(reader.get(f"{name}.weight"), reader.get(f"{name}.scale"), lin.kind,
-                                       ACT_SCHEME[lin.kind])
-            else:
-                place[0].copy_(narrow_cuts(w, place[1]))
-                _set_act(model, name, lin.kind)
-            bar.update()
-        for name in plain:
-            dst, cuts = _local(_target(model, name)[0], None)
-            t = reader.get(name, cuts)
-            _check_values(name, t, args)
-            dst.copy_(t)
-            bar.update()
-        bar.close()
+    device = torch.device(device)
+    with MappedShards(ckpt, keep) as views, torch.no_grad():
+        _read_all(model, _jobs(model, keep), views, device, args, threads or min(8, os.cpu_count() or 1), progress)
+    check_int4_bias(model)
+    if not packed:
+        densify(model)
     return model.to(device).train(False)

@@ -29,11 +29,18 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """Where a tensor lives: shard file, safetensors dtype string, shape."""
+    """Where a tensor lives: shard file, safetensors dtype string, shape, and its data's byte
+    offset in the file (0 when not known)."""
 
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes (0 for a dtype safetensors does not size)."""
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 0)
 
 
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -73,7 +80,7 @@ def read_shard_header(path: Path) -> dict[str, StoredTensor]:
         if end > data_len:
             raise CheckpointError(f"{bad} is truncated: tensor '{name}' ends at byte {8 + n + end}, file has {size}")
         spans.append((begin, end, name))
-        out[name] = StoredTensor(path.name, info["dtype"], tuple(info["shape"]))
+        out[name] = StoredTensor(path.name, info["dtype"], tuple(info["shape"]), 8 + n + begin)
     pos = 0
     for begin, end, name in sorted(spans):
         if begin != pos:

@@ -116,8 +116,8 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     d = width // 2 if overlap else width
     xf = comp.wkv.quant_input(x).float()
     r = dec.positions % m
-    kv = gemm(xf, comp.wkv.weight.float())
-    score = gemm(xf, comp.wgate.weight.float()) + comp.ape.float()[r]
+    kv = gemm(xf, comp.wkv.dense_weight(torch.float32).float())
+    score = gemm(xf, comp.wgate.dense_weight(torch.float32).float()) + comp.ape.float()[r]
     skv, ssc = state_pool
     shut = [i for i, p in enumerate(dec.pos) if p % m == m - 1]
     if len(shut) < len(dec.pos):

@@ -25,6 +25,7 @@ from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
 from engine.model.transformer import Block, Transformer
 from engine.ops import reference
+from engine.ops.packed import Packed, dequant
 from engine.platform import Platform, detect
 
 # A3 core budgets per branch (reference §8.3): (AI-cube, AI-vector) cores
@@ -32,15 +33,16 @@ CORES_COMPRESSOR = (16, 32)
 CORES_MAIN = (24 - 8, 2 * (24 - 8))
 
 
-def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                         w3: torch.Tensor, w2: torch.Tensor, limit: float, act: str | None = None) -> torch.Tensor:
+def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float,
+                         act: str | None = None) -> torch.Tensor:
     """Routed experts without host syncs: each of the k slots gathers its rows' expert weights.
 
     Same math as ``reference.moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per
     slot, so it suits decode buckets, not prefill. Accumulates in fp32 in slot order.
 
     Args:
-        x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+        x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
+            ``Packed`` (the B gathered experts' stored bytes are dequantised, ``B * I * H`` elements).
         act: activation quantisation (``reference.moe_experts``).
     Returns:
         ``[B, H]`` in x.dtype.
@@ -51,14 +53,19 @@ def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
     xb = x.unsqueeze(-1)                                                        # [B, H, 1]
     for j in range(ids.shape[1]):
         e = ids[:, j]
-        g = torch.bmm(w1[e].to(x.dtype), xb).squeeze(-1)                        # [B, I]
-        u = torch.bmm(w3[e].to(x.dtype), xb).squeeze(-1)
+        g = torch.bmm(_gathered(w1, e, x.dtype), xb).squeeze(-1)                # [B, I]
+        u = torch.bmm(_gathered(w3, e, x.dtype), xb).squeeze(-1)
         h = reference.swiglu_clamp(g, u, limit)
         if act is not None:
             h = reference.act_quant(h, act)
-        y = torch.bmm(w2[e].to(x.dtype), h.unsqueeze(-1)).squeeze(-1)           # [B, H]
+        y = torch.bmm(_gathered(w2, e, x.dtype), h.unsqueeze(-1)).squeeze(-1)   # [B, H]
         out += y.float() * weights[:, j:j + 1].float()
     return out.to(x.dtype)
+
+
+def _gathered(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``idx`` (``[B]``) of stacked weights, dense ``[B, N, K]`` of ``dtype``."""
+    return dequant(w.take(idx), dtype) if isinstance(w, Packed) else w[idx].to(dtype)
 
 
 class StaticDecoder:
@@ -191,7 +198,7 @@ class StaticDecoder:
         if ck is not None:
             o = o + torch.einsum("bhn,bnd->bhd", probs[..., W:-1], ck)
         o = ops.rope(o.to(q.dtype), cos, -sin)
-        o = ops.grouped_linear(att.wo_a.quant_input(o.reshape(B, att.n_groups, -1)), att.wo_a.weight)
+        o = ops.grouped_linear(att.wo_a.quant_input(o.reshape(B, att.n_groups, -1)), att.wo_a.stored)
         return att.wo_b(o.flatten(1))
 
     def _indexer_topk(self, i: int, att: Attention, iq, iw, positions, table):
@@ -212,8 +219,8 @@ class StaticDecoder:
         skv, ssc = state
         xf = comp.wkv.quant_input(x).float()
         r = positions % m
-        skv[slots, r] = comp.ops.linear(xf, comp.wkv.weight)
-        ssc[slots, r] = comp.ops.linear(xf, comp.wgate.weight) + comp.ape.float()[r]
+        skv[slots, r] = comp.ops.linear(xf, comp.wkv.dense_weight(torch.float32))
+        ssc[slots, r] = comp.ops.linear(xf, comp.wgate.dense_weight(torch.float32)) + comp.ape.float()[r]
         cur_kv, cur_sc = skv[slots, :m], ssc[slots, :m]                         # [B, m, width]
         closing = (r == m - 1)[:, None, None]
         if overlap:
@@ -241,12 +248,13 @@ class StaticDecoder:
         with self._side():
             shared = moe.shared_experts(x) if moe.shared_experts is not None else None
         kernel = moe.ops.moe_experts is not reference.moe_experts
-        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.w1.dtype == x.dtype and e.act is None:
+        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.fmt is None and e.w1.dtype == x.dtype \
+                and e.act is None:
             # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
             # that contract it would fall back to reference.moe_experts, which syncs the host
-            y = moe.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, moe.limit)
+            y = moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit)
         else:
-            y = moe_experts_gathered(x, ids, weights, e.w1, e.w3, e.w2, moe.limit, e.act)
+            y = moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act)
         self._join(*(() if shared is None else (shared,)))
         return y if shared is None else y + shared
 

@@ -20,7 +20,8 @@ class Compressor(nn.Module):
     """Softmax-gated pooling of every ``ratio`` tokens into one KV entry (§3.4).
 
     ratio 4 (CSA) uses overlapping windows (``wkv``/``wgate`` emit 2*dim: Ca | Cb); ratio 128
-    (HCA) does not. Weights are held in fp32: the projections, state and pooling run in fp32.
+    (HCA) does not. The projections, state and pooling run in fp32 (weights as stored: bf16, or
+    HiF8 in ``w4a8-mx-hif``, dequantised whole per call: ``[c*d, H]`` is small).
     """
 
     def __init__(self, args: ModelArgs, ratio: int, dim: int, rope: RotaryTable, ops: Ops):
@@ -29,7 +30,6 @@ class Compressor(nn.Module):
         self.ratio, self.dim, self.rope, self.ops = ratio, dim, rope, ops
         self.wkv = Linear(args.hidden_size, width, torch.float32, ops)
         self.wgate = Linear(args.hidden_size, width, torch.float32, ops)
-        self.wkv.packable = self.wgate.packable = False            # ops.compressor takes their weights
         self.ape = param((ratio, width), torch.float32)
         self.norm = RMSNorm(dim, args.rms_norm_eps, ops)
 
@@ -38,8 +38,9 @@ class Compressor(nn.Module):
         n_new = num_new_entries(start_pos, x.shape[0], self.ratio)
         first = start_pos // self.ratio
         cos, sin = self.rope.cos_sin(torch.arange(first, first + n_new, device=x.device) * self.ratio)
-        return self.ops.compressor(self.wkv.quant_input(x), self.wkv.weight, self.wgate.weight, self.ape,
-                                   self.norm.weight, self.norm.eps, state, start_pos, cos, sin, out_dtype)
+        f32 = torch.float32
+        return self.ops.compressor(self.wkv.quant_input(x), self.wkv.dense_weight(f32), self.wgate.dense_weight(f32),
+                                   self.ape, self.norm.weight, self.norm.eps, state, start_pos, cos, sin, out_dtype)
 
 
 class Indexer(nn.Module):
@@ -82,7 +83,6 @@ class Attention(nn.Module):
         self.wkv = Linear(H, d, dtype, ops)
         self.kv_norm = RMSNorm(d, args.rms_norm_eps, ops)
         self.wo_a = Linear(nh * d // args.o_groups, args.o_groups * args.o_lora_rank, dtype, ops)
-        self.wo_a.packable = False                                  # ops.grouped_linear takes its weight
         self.wo_b = Linear(args.o_groups * args.o_lora_rank, H, dtype, ops)
         self.attn_sink = param((nh,), torch.float32)
         self.compressor = Compressor(args, ratio, d, rope, ops) if ratio else None
@@ -144,5 +144,5 @@ class Attention(nn.Module):
         if self.o_proj_tp is not None:
             return self.o_proj_tp(self, o)
         o = o.reshape(o.shape[0], self.n_groups, self.n_heads * self.head_dim // self.n_groups)
-        o = self.ops.grouped_linear(self.wo_a.quant_input(o), self.wo_a.weight)
+        o = self.ops.grouped_linear(self.wo_a.quant_input(o), self.wo_a.stored)
         return self.wo_b(o.flatten(1))

@@ -9,21 +9,26 @@ import torch
 from torch import nn
 
 from engine.ops import Ops
+from engine.ops.packed import Packed, dequant
 
 _DEFERRED = threading.local()
 
 
+def zeros(shape, dtype) -> torch.Tensor:
+    """Zeros of ``shape`` / ``dtype``, on the meta device inside ``deferred_params``."""
+    return torch.zeros(*shape, dtype=dtype, device="meta" if getattr(_DEFERRED, "on", False) else None)
+
+
 def param(shape, dtype) -> nn.Parameter:
     """A zero, frozen parameter of ``shape`` / ``dtype``, on the meta device inside ``deferred_params``
-    (the loader fills it; shard-aware loading reads only the kept slice)."""
-    device = "meta" if getattr(_DEFERRED, "on", False) else None
-    return nn.Parameter(torch.zeros(*shape, dtype=dtype, device=device), requires_grad=False)
+    (the loader gives it the stored dtype and shape, shards it, then fills it)."""
+    return nn.Parameter(zeros(shape, dtype), requires_grad=False)
 
 
 @contextlib.contextmanager
 def deferred_params():
     """Modules built inside (this thread) get their parameters on the meta device (no memory): a
-    loader can shard them first and then ``materialize`` only the shards."""
+    loader can retype and shard them first and then fill only the shards."""
     before = getattr(_DEFERRED, "on", False)
     _DEFERRED.on = True
     try:
@@ -32,50 +37,52 @@ def deferred_params():
         _DEFERRED.on = before
 
 
-def materialize(model: nn.Module) -> None:
-    """Replace every meta parameter of ``model`` by zeros of its shape and dtype on the CPU."""
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.is_meta:
-                new = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=False)
-                new.__dict__.update(p.__dict__)          # e.g. a shard's ``shard_cuts``
-                mod._parameters[name] = new
-
-
 class Linear(nn.Module):
-    """``y = x @ weight^T`` through ``ops.linear``; weight ``[out, in]`` in ``dtype``.
+    """``y = x @ weight^T`` through the ops seam; ``weight`` ``[out, in]`` as the checkpoint stores it.
 
-    For a converted checkpoint (§7) the loader sets ``act``, the activation quantisation
-    ``ops.act_quant`` applies to x first, and, on a ``packable`` linear stored as int8 / MXFP8 /
-    HiF8, replaces ``weight`` by the stored tensor plus ``weight_scale`` and sets ``fmt``: forward
-    then runs ``ops.quant_linear`` (a fused quantised GEMM on devices). Linears whose weight other
-    code reads directly (``wo_a``, compressors) are not packable and keep a dense weight.
+    The loader (``engine.checkpoint.loader``) keeps the stored tensors: a bf16 / fp32 linear keeps
+    ``weight`` in that dtype (``ops.linear`` computes in x's dtype); a quantised one keeps the
+    stored ``weight`` + ``scale`` (+ ``bias`` for int4) and sets ``fmt`` (``engine.ops.packed``
+    formats), and forward runs ``ops.quant_linear`` on ``packed``. For a converted checkpoint (§7)
+    ``act`` names the activation quantisation applied to x first. ``compute_dtype`` is the dtype a
+    dense copy of this weight would have (``dense_weight``; the dequantised reference path).
     """
 
     act: str | None = None
     fmt: str | None = None
-    packable: bool = True
+    block: tuple[int, int] = (128, 128)
+    offset: tuple[int, int] = (0, 0)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, ops: Ops):
         super().__init__()
         self.weight = param((out_features, in_features), dtype)
-        self.ops = ops
+        self.register_parameter("scale", None)
+        self.register_parameter("bias", None)
+        self.ops, self.compute_dtype = ops, dtype
+
+    @property
+    def packed(self) -> Packed:
+        """The stored weight as a ``Packed`` (``fmt`` must be set)."""
+        return Packed(self.weight, self.scale, self.fmt, self.bias, self.block, self.offset)
+
+    @property
+    def stored(self) -> torch.Tensor | Packed:
+        """What the ops seam takes for this weight: the dense tensor, or ``packed``."""
+        return self.weight if self.fmt is None else self.packed
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense ``[out, in]`` tensor: ``weight`` itself when not quantised (any
+        dtype; callers cast), else dequantised to ``dtype``. For small weights read whole by
+        other ops (compressors) and the dequantised reference path."""
+        return self.weight if self.fmt is None else dequant(self.packed, dtype)
 
     def quant_input(self, x: torch.Tensor) -> torch.Tensor:
         """x as this linear's kernel sees it (quantised per ``act``), same shape and dtype."""
         return x if self.act is None else self.ops.act_quant(x, self.act)
 
-    def store_quantised(self, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str) -> None:
-        """Keep the stored ``weight`` / ``scale`` of format ``fmt`` instead of a dense weight."""
-        if tuple(weight.shape) != tuple(self.weight.shape):
-            raise ValueError(f"store_quantised: weight {tuple(weight.shape)} != {tuple(self.weight.shape)}")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)
-        self.fmt, self.act = fmt, act
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt is not None:
-            return self.ops.quant_linear(x, self.weight, self.weight_scale, self.fmt, self.act)
+            return self.ops.quant_linear(x, self.packed, self.act)
         return self.ops.linear(self.quant_input(x), self.weight)
 
 

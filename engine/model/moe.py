@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelArgs
-from engine.model.layers import Linear, param
+from engine.model.layers import Linear, param, zeros
+from engine.ops.packed import Packed
 from engine.ops import Ops
 
 
@@ -23,7 +24,7 @@ class Gate(nn.Module):
         self.k, self.scale, self.ops = args.num_experts_per_tok, args.routed_scaling_factor, ops
         self.weight = param((args.n_routed_experts, args.hidden_size), torch.float32)
         if hash_layer:
-            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.k, dtype=torch.long))
+            self.register_buffer("tid2eid", zeros((args.vocab_size, self.k), torch.long))
             self.bias = None
         else:
             self.bias = param((args.n_routed_experts,), torch.float32)
@@ -39,10 +40,16 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked: ``w1``/``w3`` ``[E, I, H]`` (gate / up), ``w2`` ``[E, H, I]`` (down).
 
-    ``act``: activation quantisation of a converted checkpoint (``Linear.act``), None by default.
+    As the checkpoint stores them (``engine.checkpoint.loader``): dense (bf16) or, with ``fmt``
+    set, each ``wN`` the stacked stored weights plus ``wN_scale`` (+ ``wN_bias`` for int4), passed to
+    ``ops.moe_experts`` as ``Packed``. ``act``: activation quantisation of a converted checkpoint
+    (``Linear.act``), None by default. ``compute_dtype``: the dtype of a dense copy.
     """
 
     act: str | None = None
+    fmt: str | None = None
+    block: tuple[int, int] = (128, 128)
+    offsets: dict[str, tuple[int, int]] = {}          # per weight: ``Packed.offset`` of a shard
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype):
         super().__init__()
@@ -50,6 +57,22 @@ class Experts(nn.Module):
         self.w1 = param((E, I, H), dtype)
         self.w3 = param((E, I, H), dtype)
         self.w2 = param((E, H, I), dtype)
+        for w in ("w1", "w2", "w3"):
+            self.register_parameter(f"{w}_scale", None)
+            self.register_parameter(f"{w}_bias", None)
+        self.compute_dtype = dtype
+
+    @property
+    def num_experts(self) -> int:
+        """Experts held here (this rank's EP shard)."""
+        return self.w1.shape[0]
+
+    def stored(self) -> tuple:
+        """(w1, w3, w2) as ``ops.moe_experts`` takes them: tensors, or ``Packed`` when ``fmt`` is set."""
+        if self.fmt is None:
+            return self.w1, self.w3, self.w2
+        return tuple(Packed(getattr(self, w), getattr(self, f"{w}_scale"), self.fmt, getattr(self, f"{w}_bias"),
+                            self.block, self.offsets.get(w, (0, 0))) for w in ("w1", "w3", "w2"))
 
 
 class MLP(nn.Module):
@@ -99,10 +122,11 @@ class MoE(nn.Module):
                 shared = self.shared_experts(x)
         T, c = x.shape[0], self.chunk or x.shape[0]
         if T <= c:
-            y = self.ops.moe_experts(x, ids, weights, e.w1, e.w3, e.w2, self.limit, e.act)
+            y = self.ops.moe_experts(x, ids, weights, *e.stored(), self.limit, e.act)
         else:
-            y = torch.cat([self.ops.moe_experts(x[i:i + c], ids[i:i + c], weights[i:i + c], e.w1, e.w3, e.w2,
-                                                self.limit, e.act) for i in range(0, T, c)])
+            w = e.stored()
+            y = torch.cat([self.ops.moe_experts(x[i:i + c], ids[i:i + c], weights[i:i + c], *w, self.limit, e.act)
+                           for i in range(0, T, c)])
         if self.shared_experts is None:
             return y
         if shared is None:

@@ -93,8 +93,9 @@ class Transformer(nn.Module):
     """The DeepSeek-V4 trunk + LM head (+ MTP blocks). Built empty; ``engine.checkpoint.loader`` fills it.
 
     Args:
-        args: checkpoint config. dtype: compute dtype (fp32 or bf16); norms, mHC (residual
-            streams included), sinks, ape, router, compressor and LM-head weights stay fp32 (§5).
+        args: checkpoint config. dtype: compute dtype (fp32 or bf16). Weights are kept as the
+            checkpoint stores them (``engine.checkpoint.loader``); the math of norms, mHC (residual
+            streams included), sinks, router, compressor and LM head runs in fp32 (§5).
         ops: the op table (seam).
     """
 
@@ -213,7 +214,7 @@ class Transformer(nn.Module):
         through ``embed_tp``)."""
         if self.embed_tp is not None:
             return self.embed_tp(self, tokens)
-        return F.embedding(tokens, self.embed.weight)
+        return F.embedding(tokens, self.embed.weight).to(self.dtype)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

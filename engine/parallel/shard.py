@@ -46,13 +46,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.checkpoint.loader import narrow_cuts
 from engine.config import ConfigError
 from engine.model.moe import MLP, MoE
 from engine.model.transformer import Transformer
 from engine.parallel.comm import (all_gather_cols, all_reduce_max, all_reduce_sum, all_to_all_rows, counts,
                                   exchange_counts, gather_rows, scatter_sum)
 from engine.parallel.context import GroupInfo, ParallelContext, trivial_context
+from engine.parallel.cuts import cut_weight, shard_tensor, stored_cuts
 from engine.run_config import ParallelConfig
 
 _KEY = "parallel_config"
@@ -109,8 +109,15 @@ def _fail(key: str, msg: str):
     raise ConfigError(f"{_KEY}.{key}: {msg}")
 
 
-def _quantised(mod: nn.Module) -> bool:
-    return getattr(mod, "fmt", None) is not None or getattr(mod, "act", None) is not None
+def _act_quantised(mod: nn.Module) -> bool:
+    return getattr(mod, "act", None) is not None
+
+
+def _check_cut(key: str, mod: nn.Module, base: str, *cuts) -> None:
+    try:
+        stored_cuts(mod, base, list(cuts))
+    except ValueError as e:
+        _fail(key, f"cannot cut {base} as stored: {e}")
 
 
 def _check(model: Transformer, pc: ParallelConfig) -> None:
@@ -132,23 +139,35 @@ def _check(model: Transformer, pc: ParallelConfig) -> None:
     for key in ("embed_tp_size", "lmhead_tp_size"):
         if getattr(pc, key) > a.vocab_size:
             _fail(key, f"must be <= vocab_size ({a.vocab_size}), got {getattr(pc, key)}")
-    # A converted checkpoint's routed experts are dense with per-token activation quantisation:
-    # whole experts per EP shard compute as on one rank, but an I slice (moe_tp) would quantise
-    # w2's input per slice. Packed (stored) weights are not cut (the head is bf16 in every
-    # converted format; the check guards a future one).
-    no_q = "sharding of quantised checkpoints is not supported yet"
+    # Activation quantisation is per token over the whole input: a weight cut along its input
+    # (wo_b / shared w2 / expert w2 columns) would quantise each slice on its own. Weight-only
+    # formats (FP8 / MXFP4 of the original checkpoint) cut exactly, on their block units.
+    no_q = "activation-quantised weights (a converted checkpoint) cannot be cut along their input; must be 1"
     for blk in [*model.layers, *model.mtp]:
-        if pc.moe_tp_size > 1 and _quantised(blk.ffn.experts):
-            _fail("moe_tp_size", f"activation-quantised routed experts (a converted checkpoint) run whole per "
-                                 f"EP shard; must be 1, got {pc.moe_tp_size}")
-        if pc.shared_tp_size > 1 and any(_quantised(m) for m in blk.ffn.shared_experts.modules()):
-            _fail("shared_tp_size", no_q)
-        if pc.o_proj_tp_size > 1 and (_quantised(blk.attn.wo_a) or _quantised(blk.attn.wo_b)):
-            _fail("o_proj_tp_size", no_q)
-    if pc.lmhead_tp_size > 1 and model.head.fmt is not None:
-        _fail("lmhead_tp_size", no_q)
+        e, a = blk.ffn.experts, blk.attn
+        if pc.moe_tp_size > 1:
+            if _act_quantised(e):
+                _fail("moe_tp_size", f"{no_q}, got {pc.moe_tp_size}")
+            i = model.args.moe_intermediate_size // pc.moe_tp_size
+            _check_cut("moe_tp_size", e, "w1", (1, 0, i))
+            _check_cut("moe_tp_size", e, "w2", (2, 0, i))
+        m = blk.ffn.shared_experts
+        if pc.shared_tp_size > 1 and m is not None:
+            if _act_quantised(m.w2):
+                _fail("shared_tp_size", f"{no_q}, got {pc.shared_tp_size}")
+            w = m.w1.stored.shape[0]
+            _check_cut("shared_tp_size", m.w1, "weight", (0, 0, w // pc.shared_tp_size))
+            _check_cut("shared_tp_size", m.w2, "weight", (1, 0, w // pc.shared_tp_size))
+        if pc.o_proj_tp_size > 1:
+            if _act_quantised(a.wo_b) or _act_quantised(a.wo_a):
+                _fail("o_proj_tp_size", f"{no_q}, got {pc.o_proj_tp_size}")
+            rows = model.args.o_groups * model.args.o_lora_rank // pc.o_proj_tp_size
+            _check_cut("o_proj_tp_size", a.wo_a, "weight", (0, 0, rows))
+            _check_cut("o_proj_tp_size", a.wo_b, "weight", (1, 0, rows))
+    if pc.lmhead_tp_size > 1 and (model.head.fmt is not None or model.head.act is not None):
+        _fail("lmhead_tp_size", "a quantised LM head cannot be cut (every checkpoint format stores it bf16)")
     if pc.embed_tp_size > 1 and not model.embed.weight.is_floating_point():
-        _fail("embed_tp_size", no_q)
+        _fail("embed_tp_size", "a quantised embedding cannot be cut")
 
 
 def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
@@ -165,14 +184,6 @@ def _groups(pc: ParallelConfig, rank: int) -> dict[str, GroupInfo]:
             g = dist.new_group(list(ranks))
             if rank in ranks:
                 out[kind] = GroupInfo(ranks, rank - start, g)
-    return out
-
-
-def _shard(p: torch.Tensor, *cuts: tuple[int, int, int]) -> nn.Parameter:
-    """``p`` narrowed to each (dim, first, length), tagged ``shard_cuts`` (``engine.checkpoint.loader``
-    fills a model sharded before loading from those slices of the stored tensors)."""
-    out = nn.Parameter(narrow_cuts(p, cuts).contiguous().clone(), requires_grad=False)
-    out.shard_cuts = cuts
     return out
 
 
@@ -236,14 +247,14 @@ class ParallelMoE(nn.Module):
         per row the sum over its slots with a local expert (slot order) of
         ``w * expert_slice(x)``; one ``ops.moe_experts`` call on (row, slot) pairs."""
         e = self.experts
-        n_loc = e.w1.shape[0]
+        n_loc = e.num_experts
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         hit = (ids >= self.expert_lo) & (ids < self.expert_lo + n_loc)
         r, j = hit.nonzero(as_tuple=True)
         if r.numel() == 0:
             return out
         y = self.ops.moe_experts(x[r], (ids[r, j] - self.expert_lo)[:, None], weights[r, j][:, None],
-                                 e.w1, e.w3, e.w2, self.limit, e.act).float()
+                                 *e.stored(), self.limit, e.act).float()
         for s in range(ids.shape[1]):                    # rows are unique within one slot: no atomics
             m = j == s
             out[r[m]] += y[m]
@@ -252,7 +263,7 @@ class ParallelMoE(nn.Module):
     def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """"dp": all_to_all the rows to the EP shards that hold their experts, combine -> ``[T, H]`` fp32."""
         pc = self.parallel
-        g, mt, n_loc = pc.groups["moe"], pc.config.moe_tp_size, self.experts.w1.shape[0]
+        g, mt, n_loc = pc.groups["moe"], pc.config.moe_tp_size, self.experts.num_experts
         T, H, k = x.shape[0], x.shape[1], ids.shape[1]
         need = torch.zeros(T, pc.config.moe_ep_size, dtype=torch.bool, device=x.device)
         need.scatter_(1, ids // n_loc, True)
@@ -298,18 +309,19 @@ class ParallelSharedMLP(nn.Module):
 
 def _shard_moe(moe: MoE, ctx: ParallelContext) -> ParallelMoE:
     pc, e = ctx.config, moe.experts
-    n_loc = e.w1.shape[0] // pc.moe_ep_size
-    i_loc = e.w1.shape[1] // pc.moe_tp_size
+    n_loc = e.num_experts // pc.moe_ep_size
+    i_loc = e.stored()[0].shape[1] // pc.moe_tp_size
     lo, ilo = ctx.ep_rank * n_loc, ctx.moe_tp_rank * i_loc
-    e.w1 = _shard(e.w1, (0, lo, n_loc), (1, ilo, i_loc))
-    e.w3 = _shard(e.w3, (0, lo, n_loc), (1, ilo, i_loc))
-    e.w2 = _shard(e.w2, (0, lo, n_loc), (2, ilo, i_loc))
+    cut_weight(e, "w1", (0, lo, n_loc), (1, ilo, i_loc))
+    cut_weight(e, "w3", (0, lo, n_loc), (1, ilo, i_loc))
+    cut_weight(e, "w2", (0, lo, n_loc), (2, ilo, i_loc))
     g = ctx.groups["shared"]
     if g.size > 1:
         m = moe.shared_experts
-        w = m.w1.weight.shape[0] // g.size
-        m.w1.weight, m.w3.weight = _shard(m.w1.weight, (0, g.index * w, w)), _shard(m.w3.weight, (0, g.index * w, w))
-        m.w2.weight = _shard(m.w2.weight, (1, g.index * w, w))
+        w = m.w1.stored.shape[0] // g.size
+        cut_weight(m.w1, "weight", (0, g.index * w, w))
+        cut_weight(m.w3, "weight", (0, g.index * w, w))
+        cut_weight(m.w2, "weight", (1, g.index * w, w))
         moe.shared_experts = ParallelSharedMLP(m, ctx)
     return ParallelMoE(moe, ctx, lo)
 
@@ -317,9 +329,9 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> ParallelMoE:
 # ---- attention output projection -----------------------------------------------------------
 def _shard_o_proj(attn: nn.Module, ctx: ParallelContext) -> None:
     g = ctx.groups["o_proj"]
-    rows = attn.wo_a.weight.shape[0] // g.size                     # (G/s) * o_lora_rank
-    attn.wo_a.weight = _shard(attn.wo_a.weight, (0, g.index * rows, rows))
-    attn.wo_b.weight = _shard(attn.wo_b.weight, (1, g.index * rows, rows))
+    rows = attn.wo_a.stored.shape[0] // g.size                     # (G/s) * o_lora_rank
+    cut_weight(attn.wo_a, "weight", (0, g.index * rows, rows))
+    cut_weight(attn.wo_b, "weight", (1, g.index * rows, rows))
     attn.o_proj_tp = OProjTP(ctx)
 
 
@@ -338,7 +350,7 @@ class OProjTP:
         o = o.reshape(T, G, K)
 
         def partial_out(oa):                                          # [M, Gl, K] -> [M, H]
-            return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.weight).flatten(1))
+            return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.stored).flatten(1))
 
         if ctx.dp:
             c = counts(T, g)
@@ -351,7 +363,7 @@ class OProjTP:
 # ---- embedding and LM head -----------------------------------------------------------------
 def _shard_embed(model: Transformer, ctx: ParallelContext) -> None:
     lo, n, _ = _vocab_slice(model.args.vocab_size, ctx.groups["embed"])
-    model.embed.weight = _shard(model.embed.weight, (0, lo, n))
+    model.embed.weight = shard_tensor(model.embed.weight, (0, lo, n))
     model.embed_tp = EmbedTP(ctx, lo)
 
 

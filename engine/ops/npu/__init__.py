@@ -76,7 +76,7 @@ KERNEL_APIS: dict[str, tuple[str, ...]] = {
     "gating_topk": ("custom.npu_moe_gating_top_k",),
     "swiglu_clamp": ("torch_npu.npu_clipped_swiglu",),
     "moe_experts": ("torch_npu.npu_moe_init_routing_v2", "torch_npu.npu_grouped_matmul",
-                    "torch_npu.npu_moe_finalize_routing"),
+                    "torch_npu.npu_moe_finalize_routing", "torch_npu.npu_dynamic_quant"),
     "quant_linear": ("torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"),
 }
 

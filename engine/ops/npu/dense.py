@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops.packed import Packed
 from engine.ops.npu.runtime import HALF, device_why, dtype_why, fallback, first_reason, torch_npu_module
 
 
@@ -79,12 +80,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (``perm_x1=(1, 0, 2), perm_y=(1, 0, 2)``, weight ``[G, K, N]``). Here M = T and B = G, and the
     seam's ``[G*N, K]`` weight is passed as the transposed view ``[G, K, N]``. No FP8 (§5 row 10).
 
-    Falls back to the reference for: x not bf16/fp16, not on an NPU, no rows, or K/N/G outside
+    Falls back to the reference for: a ``Packed`` (quantised) weight, x not bf16/fp16, not on an NPU, no rows, or K/N/G outside
     the limits above.
     """
     T, G, K = x.shape
     N = weight.shape[0] // G if G else 0
-    why = first_reason(dtype_why("x", x, HALF), device_why(x),
+    why = first_reason(None if isinstance(weight, torch.Tensor) else f"a {weight.fmt} weight (no quantised kernel)",
+                 dtype_why("x", x, HALF), device_why(x),
                  None if T > 0 else "no rows",
                  None if G * N == weight.shape[0] and weight.shape[-1] == K else "weight is not [G*N, K]",
                  None if K % 16 == 0 and N % 16 == 0 else "K or N not a multiple of 16",
@@ -97,8 +99,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 
-def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str | None
-                 ) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tensor:
     """W8A8 int8 linear: ``npu_dynamic_quant`` (per-token int8, smooth scales 1) then
     ``npu_quant_matmul`` with the per-channel weight scale and the per-token scale.
 
@@ -110,18 +111,20 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt
     output bfloat16 (float16 with a float32 scale). x2 is the stored ``[n, k]`` weight's transposed
     view, as upstream's W8A8 linear passes it (recipe ``compressed_tensors_w8a8_int8.py``).
 
-    Falls back to the reference for: MXFP8 / HiF8 weights (the 950 kernels take MX scales / HiF8
-    dtypes this wrapper does not set up), x not bf16/fp16, not on an NPU, no rows, or a weight dim
-    of 65536 or more (the doc caps x1 / x2's last dims at 65535; upstream transposes wq_b there).
+    Falls back to the reference (which dequantises one tile at a time, so memory stays as stored)
+    for: other formats (FP8 block, MXFP8, HiF8: the A5 / 950 kernels take scale layouts this
+    wrapper does not set up), x not bf16/fp16, not on an NPU, no rows, or a weight dim of 65536 or
+    more (the doc caps x1 / x2's last dims at 65535; upstream transposes wq_b there).
     """
     lead = x.shape[:-1]
+    w, fmt = weight.data, weight.fmt
     why = first_reason(None if fmt == "int8" and act == "int8-token" else f"{fmt} weights with {act} activations",
                  dtype_why("x", x, HALF), device_why(x), None if x.numel() else "no rows",
-                 None if max(weight.shape) < 65536 else "a weight dim >= 65536 (the kernel takes <= 65535)")
+                 None if max(w.shape) < 65536 else "a weight dim >= 65536 (the kernel takes <= 65535)")
     if why:
-        return fallback("quant_linear", why, x, weight, scale, fmt, act)
+        return fallback("quant_linear", why, x, weight, act)
     npu = torch_npu_module()
     xq, xs = npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
-    s = scale.reshape(-1).to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
-    y = npu.npu_quant_matmul(xq, weight.t(), s, pertoken_scale=xs.reshape(-1).float(), output_dtype=x.dtype)
-    return y.view(*lead, weight.shape[0])
+    s = weight.scale.reshape(-1).to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+    y = npu.npu_quant_matmul(xq, w.t(), s, pertoken_scale=xs.reshape(-1).float(), output_dtype=x.dtype)
+    return y.view(*lead, w.shape[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.ops import reference
+from engine.ops.packed import Packed
 from engine.ops.npu.runtime import HALF, api_available, device_why, dtype_why, fallback, first_reason, torch_npu_module
 
 
@@ -106,17 +107,29 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     kernel) when ``npu_clipped_swiglu`` exists, else the reference's. Weighting and summation run in the activation dtype
     inside finalize, as in the recipe; the reference accumulates in fp32.
 
-    Falls back to the reference for: x not bf16/fp16, not on an NPU, no tokens, E < 2 or
-    E > 10240, expert weights not in x's dtype, H/I >= 65536, or quantised activations (``act``).
+    W8A8 experts as stored (``Packed`` int8 with ``act`` "int8-token", the A3 layout of a
+    ``w8a8-int`` checkpoint): each GMM's input is quantised per token by ``npu_dynamic_quant``
+    (the routed rows are copies of token rows, so this equals quantising x first) and the GMM runs
+    int8 x int8 with the per-channel ``scale`` (cast to the rows' dtype) and ``per_token_scale``
+    fp32, output in the rows' dtype: the doc's "pertoken full quantisation" row [OPP
+    torch_npu-npu_grouped_matmul.md, A2/A3 table: x / weight int8, scale bfloat16, per_token_scale
+    float32, output bfloat16], as upstream's W8A8 MoE does.
+
+    Falls back to the reference (one expert dequantised at a time, memory as stored) for: other
+    packed formats (int4 / MXFP4 / FP4: their GMM layouts are not mapped), x not bf16/fp16, not
+    on an NPU, no tokens, E < 2 or E > 10240, dense experts not in x's dtype, H/I >= 65536, or
+    quantised activations over dense experts.
     """
     T, H = x.shape
-    E, inter = w1.shape[0], w1.shape[1]
+    E, inter = w1.shape[0], w1.shape[1]             # logical shape, dense or Packed
+    packed = isinstance(w1, Packed)
     why = first_reason(dtype_why("x", x, HALF), device_why(x),
                  None if T > 0 and ids.numel() > 0 else "no tokens",
                  None if 2 <= E <= 10240 else f"{E} experts, kernels take 2..10240",
-                 None if w1.dtype == w3.dtype == w2.dtype == x.dtype else "expert weights not in x's dtype",
+                 _w8a8_why(w1, act) if packed else
+                 (None if w1.dtype == w3.dtype == w2.dtype == x.dtype else "expert weights not in x's dtype"),
                  None if H < 65536 and inter < 65536 else "H or I >= 65536",
-                 None if act is None else f"{act} activations (the quantised GMM is not mapped)")
+                 None if act is None or packed else f"{act} activations over dense experts")
     if why:
         return fallback("moe_experts", why, x, ids, weights, w1, w3, w2, limit, act)
     npu = torch_npu_module()
@@ -125,12 +138,25 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
         x, ids.to(torch.int32), active_num=T * k, expert_num=E, drop_pad_mode=0, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, quant_mode=-1, active_expert_range=[0, E], row_idx_type=0)
 
-    def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return npu.npu_grouped_matmul([a], [w.transpose(1, 2)], group_list=counts, split_item=3, group_type=0,
-                                      group_list_type=1)[0]
+    def gmm(a: torch.Tensor, w) -> torch.Tensor:
+        if not packed:
+            return npu.npu_grouped_matmul([a], [w.transpose(1, 2)], group_list=counts, split_item=3, group_type=0,
+                                          group_list_type=1)[0]
+        aq, a_scale = npu.npu_dynamic_quant(a)                      # per-token int8 (act "int8-token")
+        return npu.npu_grouped_matmul([aq], [w.data.transpose(1, 2)], scale=[w.scale.reshape(E, -1).to(a.dtype)],
+                                      per_token_scale=[a_scale.reshape(-1).float()], group_list=counts,
+                                      split_item=3, group_type=0, group_list_type=1, output_dtype=a.dtype)[0]
 
-    act = swiglu_clamp if api_available("torch_npu.npu_clipped_swiglu", npu) else reference.swiglu_clamp
-    h = act(gmm(expanded_x, w1), gmm(expanded_x, w3), limit)
+    swiglu = swiglu_clamp if api_available("torch_npu.npu_clipped_swiglu", npu) else reference.swiglu_clamp
+    h = swiglu(gmm(expanded_x, w1), gmm(expanded_x, w3), limit)
     y = gmm(h, w2)                                                       # [T*k, H], expert-sorted rows
     return npu.npu_moe_finalize_routing(y, None, None, None, weights.to(y.dtype), row_idx, None,
                                         drop_pad_mode=2)
+
+
+def _w8a8_why(w1, act: str | None) -> str | None:
+    """None when packed experts are the W8A8 int8 layout the A3 GMM takes (int8 ``[E, N, K]``,
+    fp32 per-channel scale ``[E, N, 1]``, per-token int8 activations), else the reason."""
+    if w1.fmt != "int8" or act != "int8-token":
+        return f"{w1.fmt} experts with {act} activations (only W8A8 int8 is mapped)"
+    return None

@@ -7,15 +7,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.checkpoint.hif8 import hif8_decode, hif8_round
-from engine.checkpoint.int8_int4 import dequant_int
-from engine.checkpoint.mx import dequant_mx, mx_fake_quant
+from engine.checkpoint.hif8 import hif8_round
+from engine.checkpoint.mx import mx_fake_quant
+from engine.ops.packed import TILE_ELEMENTS, Packed, dequant, tiles
 from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm, pad_block, pad_rows
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vocab projection ``x @ weight^T``: x ``[M, H]`` fp32 (the last hidden of each sequence),
-    weight ``[V, H]`` fp32; returns ``[M, V]`` fp32.
+    weight ``[V, H]`` as stored (bf16; cast to fp32 one tile of ``TILE_ELEMENTS`` at a time, never
+    the whole head); returns ``[M, V]`` fp32.
 
     On CPU it streams the weight (the largest one, past any cache) as ``weight @ x_block^T`` over
     fixed blocks of ``GEMM_ROW_MULTIPLE`` rows: for decode-sized M that stays near the memory
@@ -25,12 +26,14 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type != "cpu":
         return linear(x, weight)
-    w = weight.to(x.dtype)
     pad = pad_rows(x.shape[0])
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    out = torch.empty(xp.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
-        out[b:b + GEMM_ROW_MULTIPLE] = torch.mm(w, xp[b:b + GEMM_ROW_MULTIPLE].t()).t()
+    out = torch.empty(xp.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    step = max(1, TILE_ELEMENTS // max(weight.shape[1], 1))
+    for v0 in range(0, weight.shape[0], step):
+        w = weight[v0:v0 + step].to(x.dtype)
+        for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
+            out[b:b + GEMM_ROW_MULTIPLE, v0:v0 + step] = torch.mm(w, xp[b:b + GEMM_ROW_MULTIPLE].t()).t()
     return out[: x.shape[0]]
 
 
@@ -70,38 +73,48 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` (no bias). x: ``[..., K]``; weight: ``[N, K]``; returns ``[..., N]`` in x.dtype.
-
-    The seam for quantised matmuls (FP8 block / W8A8 / MXFP4 kernels on devices).
+    """``x @ weight^T`` (no bias). x: ``[..., K]``; weight: ``[N, K]`` in any float dtype (cast to
+    x.dtype, one tile of ``TILE_ELEMENTS`` at a time when it is not x.dtype already); returns
+    ``[..., N]`` in x.dtype.
     """
     lead = x.shape[:-1]
-    return gemm(x.reshape(-1, x.shape[-1]), weight.to(x.dtype)).view(*lead, weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    if weight.dtype == x.dtype or weight.numel() <= TILE_ELEMENTS:
+        return gemm(x2, weight.to(x.dtype)).view(*lead, weight.shape[0])
+    step = max(1, TILE_ELEMENTS // weight.shape[1])
+    spans = [(r, min(weight.shape[0], r + step)) for r in range(0, weight.shape[0], step)]
+    return _tiled(x2, weight.shape[0], spans, lambda r0, r1: weight[r0:r1].to(x.dtype)).view(*lead, weight.shape[0])
 
 
-def quant_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: str, act: str | None
-                 ) -> torch.Tensor:
-    """A converted checkpoint's linear on its stored weight (§7): ``act_quant(x) @ dequant(weight)^T``.
+def _tiled(x: torch.Tensor, n: int, spans, tile) -> torch.Tensor:
+    """``x [M, K] @ W^T`` with ``W`` produced one row tile at a time: ``tile(r0, r1)`` -> ``[r1-r0, K]``."""
+    if len(spans) == 1:
+        return gemm(x, tile(*spans[0]))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0, r1 in spans:
+        out[:, r0:r1] = gemm(x, tile(r0, r1))
+    return out
+
+
+def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tensor:
+    """A linear on its stored quantised weight (§2.1, §7): ``act_quant(x) @ dequant(weight)^T``.
 
     Args:
         x: ``[..., K]`` float.
-        weight, scale: as stored (``engine.checkpoint.layout``): ``int8`` int8 ``[N, K]`` + fp32 ``[N, 1]``;
-            ``mxfp8`` float8_e4m3fn ``[N, K]`` + uint8 e8m0 ``[N, K/32]``; ``hif8`` uint8 ``[N, K]`` + fp32 ``[N, 1]``.
-        fmt: "int8", "mxfp8" or "hif8". act: the activation scheme (``act_quant``) or None.
+        weight: the stored tensors (``engine.ops.packed``: fp8 block, int8, int4, mxfp8, mxfp4,
+            hif8, fp4), dequantised to x.dtype one row tile (``packed.tile_rows``) at a time.
+        act: the activation scheme (``act_quant``) or None.
     Returns:
-        ``[..., N]`` in x.dtype; the weight is dequantised to x.dtype first, exactly as the loader
-        does for dense weights, so this equals ``linear`` on the loaded dense weight.
+        ``[..., N]`` in x.dtype. Dequantisation is exact or rounds once, as the whole-weight one
+        does, so this equals ``linear`` on the dense weight in x.dtype; a weight of at most
+        ``TILE_ELEMENTS`` runs as that very call (bit-equal).
     Raises:
         ValueError: an unknown fmt.
     """
-    if fmt == "int8":
-        w = dequant_int(weight, scale)
-    elif fmt == "mxfp8":
-        w = dequant_mx(weight, scale)
-    elif fmt == "hif8":
-        w = hif8_decode(weight) * scale.float()
-    else:
-        raise ValueError(f"quant_linear: unknown weight format {fmt!r} (int8, mxfp8, hif8)")
-    return linear(x if act is None else act_quant(x, act), w.to(x.dtype))
+    x = x if act is None else act_quant(x, act)
+    lead, n = x.shape[:-1], weight.shape[-2]
+    out = _tiled(x.reshape(-1, x.shape[-1]), n, tiles(weight), lambda r0, r1: dequant(weight, x.dtype, (r0, r1)))
+    return out.view(*lead, n)
 
 
 def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -136,16 +149,27 @@ def act_quant(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return y.reshape(shape).to(x.dtype)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor | Packed) -> torch.Tensor:
     """Block-diagonal grouped output projection ``wo_a`` (§3.3 step 8).
 
     Args:
         x: ``[T, G, K]`` (group g holds heads g*h/G .. (g+1)*h/G - 1, flattened).
-        weight: ``[G * N, K]``; group g uses rows ``g*N .. g*N + N - 1``.
+        weight: ``[G * N, K]`` dense (any float dtype) or ``Packed``; group g uses rows
+            ``g*N .. g*N + N - 1``. Past ``TILE_ELEMENTS`` it is cast / dequantised one group at a time.
     Returns:
-        ``[T, G, N]``.
+        ``[T, G, N]`` in x.dtype.
     """
     T, G, K = x.shape
+    N = weight.shape[-2] // G
+    if isinstance(weight, Packed) or (weight.dtype != x.dtype and weight.numel() > TILE_ELEMENTS):
+        if weight.shape[-2] * K > TILE_ELEMENTS:
+            out = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
+            for g in range(G):
+                w = (dequant(weight, x.dtype, (g * N, g * N + N)) if isinstance(weight, Packed)
+                     else weight[g * N:(g + 1) * N].to(x.dtype))
+                out[:, g] = gemm(x[:, g], w)
+            return out
+        weight = dequant(weight, x.dtype) if isinstance(weight, Packed) else weight
     w = weight.to(x.dtype).view(G, -1, K)
     x, R = x.contiguous(), GEMM_ROW_MULTIPLE                            # batch invariance, see gemm
     if x.device.type != "cpu":

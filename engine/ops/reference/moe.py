@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm
+from engine.ops.packed import Packed, dequant
 from engine.ops.reference.dense import act_quant
+
+
+def expert_weight(w: torch.Tensor | Packed, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e`` of stacked weights ``[E, N, K]`` (dense or ``Packed``) as a dense ``[N, K]`` of ``dtype``."""
+    return dequant(w.expert(e), dtype) if isinstance(w, Packed) else w[e].to(dtype)
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
@@ -57,7 +63,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     depend on the other tokens, nor on which of the two paths (``MOE_BATCHED_TOKENS``) ran.
 
     Args:
-        x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``.
+        x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
+            ``Packed`` as stored (each used expert dequantised on its own, to x.dtype).
         act: activation quantisation of a converted checkpoint (``act_quant``) applied to x and to
             the SwiGLU output, as the W8A8 / W4A8 / MXFP4 grouped matmuls do (§7); None: none.
     Returns:
@@ -80,10 +87,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
             continue
         t_e = tok[start:start + c]
         xe = x[t_e]
-        h = swiglu_clamp(gemm(xe, w1[e].to(x.dtype)), gemm(xe, w3[e].to(x.dtype)), limit)
+        h = swiglu_clamp(gemm(xe, expert_weight(w1, e, x.dtype)), gemm(xe, expert_weight(w3, e, x.dtype)), limit)
         if act is not None:
             h = act_quant(h, act)
-        y = gemm(h, w2[e].to(x.dtype)).float() * wt[start:start + c, None].float()
+        y = gemm(h, expert_weight(w2, e, x.dtype)).float() * wt[start:start + c, None].float()
         out.index_add_(0, t_e, y)                                        # experts in ascending order
         start += c
     return out.to(x.dtype)
@@ -111,7 +118,7 @@ def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
             src = src if act is None else act_quant(src, act)
         src = src.view(n, R, -1)
         for e, b0, b1 in spans:
-            wt_e = w[e].to(x.dtype).t()
+            wt_e = expert_weight(w, e, x.dtype).t()
             for b in range(b0, b1):
                 torch.mm(src[b], wt_e, out=dst[b])
     # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order

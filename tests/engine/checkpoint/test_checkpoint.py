@@ -69,31 +69,58 @@ def test_make_tiny_interrupted_leaves_nothing_and_bad_out_is_named(tmp_path, mon
     assert f"--out {tmp_path / 'file' / 'sub'}: cannot write there" in err and "--seed must be in" in err
 
 
-def test_loader_fills_every_tensor_including_mtp(tiny_ckpt):
-    ckpt = Path(tiny_ckpt("flash", 1))
-    model = load_model(ckpt, progress=False)
-    found = scan_checkpoint(ckpt)
+def _state_dict(ckpt: Path) -> dict:
     sd = {}
-    for f in {t.file for t in found.values()}:
+    for f in {t.file for t in scan_checkpoint(ckpt).values()}:
         sd.update(load_file(str(ckpt / f)))
-    bs = model.args.quant.weight_block_size
-    eproj = dequant_fp8_block(sd["mtp.0.e_proj.weight"], sd["mtp.0.e_proj.scale"], bs)
-    assert torch.equal(model.mtp[0].e_proj.weight, eproj)
+    return sd
+
+
+def test_loader_keeps_every_tensor_as_stored_including_mtp(tiny_ckpt):
+    ckpt = Path(tiny_ckpt("flash", 1))
+    model = load_model(ckpt, progress=False, mtp=True)
+    sd = _state_dict(ckpt)
+    assert torch.equal(model.mtp[0].e_proj.weight, sd["mtp.0.e_proj.weight"]) and model.mtp[0].e_proj.fmt == "fp8"
+    assert torch.equal(model.mtp[0].e_proj.scale, sd["mtp.0.e_proj.scale"])
     assert torch.equal(model.mtp[0].hc_head_fn, sd["mtp.0.hc_head_fn"])
     assert torch.equal(model.mtp[0].attn.attn_sink, sd["mtp.0.attn.attn_sink"])
     assert torch.equal(model.mtp[0].ffn.gate.bias, sd["mtp.0.ffn.gate.bias"])
     assert torch.equal(model.layers[0].ffn.gate.tid2eid, sd["layers.0.ffn.gate.tid2eid"])
-    assert torch.equal(model.embed.weight, sd["embed.weight"].float())
+    assert torch.equal(model.embed.weight, sd["embed.weight"]) and model.embed.weight.dtype == torch.bfloat16
+    e = model.layers[3].ffn.experts
+    assert e.fmt == "fp4" and torch.equal(e.w2[5], sd["layers.3.ffn.experts.5.w2.weight"])
+    assert torch.equal(e.w2_scale[5], sd["layers.3.ffn.experts.5.w2.scale"])
+    # resident bytes are exactly the stored bytes (no upcast, no dense copy)
+    stored = sum(t.nbytes for t in scan_checkpoint(ckpt).values())
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert resident == stored
+    # the dequantised reference path: dense weights in the compute dtype
+    dense = load_model(ckpt, progress=False, packed=False, mtp=True)
+    bs = model.args.quant.weight_block_size
+    assert torch.equal(dense.mtp[0].e_proj.weight, dequant_fp8_block(sd["mtp.0.e_proj.weight"], sd["mtp.0.e_proj.scale"], bs))
 
 
-def test_bf16_keeps_the_fp32_parts(tiny_ckpt):
+def test_mtp_weights_are_read_only_when_asked(tiny_ckpt):
+    ckpt = Path(tiny_ckpt("flash", 1))
+    model = load_model(ckpt, progress=False)
+    found = scan_checkpoint(ckpt)
+    assert len(model.mtp) == 0
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert resident == sum(t.nbytes for n, t in found.items() if not n.startswith("mtp."))
+
+
+def test_bf16_keeps_the_stored_dtypes(tiny_ckpt):
     m = load_model(tiny_ckpt("flash", 1), dtype=torch.bfloat16, progress=False)
     l2 = m.layers[2]
-    assert m.embed.weight.dtype == torch.bfloat16 and l2.attn.wq_b.weight.dtype == torch.bfloat16
-    assert l2.ffn.experts.w1.dtype == torch.bfloat16
-    for t in (l2.ffn.gate.weight, l2.attn.compressor.wkv.weight, l2.attn.compressor.ape, l2.hc_attn_fn,
-              l2.attn.attn_sink, l2.attn_norm.weight, m.head.weight, l2.attn.indexer.weights_proj.weight):
+    assert m.embed.weight.dtype == torch.bfloat16 and l2.attn.wq_b.weight.dtype == torch.float8_e4m3fn
+    assert l2.ffn.experts.w1.dtype == torch.int8
+    for t in (l2.ffn.gate.weight, l2.attn.compressor.wkv.weight, l2.attn_norm.weight, m.head.weight,
+              l2.attn.indexer.weights_proj.weight):
+        assert t.dtype == torch.bfloat16
+    for t in (l2.attn.compressor.ape, l2.hc_attn_fn, l2.attn.attn_sink):
         assert t.dtype == torch.float32
+    dense = load_model(tiny_ckpt("flash", 1), dtype=torch.bfloat16, progress=False, packed=False)
+    assert dense.layers[2].attn.wq_b.weight.dtype == torch.bfloat16 and dense.layers[2].ffn.experts.w1.dtype == torch.bfloat16
 
 
 # ---- malformed checkpoints ---------------------------------------------------------------------

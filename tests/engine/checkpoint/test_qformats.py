@@ -175,7 +175,7 @@ def test_mxfp4_negative_zero_keeps_its_sign_bit_as_upstream():
 
 
 def test_loader_accepts_an_upstream_bf16_int4_bias_and_refuses_a_foreign_one():
-    from engine.checkpoint.loader import dequant_linear
+    from engine.checkpoint.formats import dequant_linear
     w = torch.randn(16, 64, generator=G) * 0.05
     q, s = quant_int4(w)
     sb = s.to(torch.bfloat16)                            # upstream: bf16 scale and bf16 arithmetic

@@ -207,11 +207,14 @@ def test_config_errors(ref):
     with pytest.raises(ConfigError, match=r"parallel_config\.attn_tp_size"):
         apply_parallel(model, ParallelConfig(world_size=2, attn_tp_size=2), 0)
     model.layers[1].ffn.experts.act = "int8-token"     # EP shards whole experts; an I slice is refused
-    with pytest.raises(ConfigError, match=r"parallel_config\.moe_tp_size: activation-quantised routed experts"):
+    with pytest.raises(ConfigError, match=r"parallel_config\.moe_tp_size: activation-quantised weights"):
         apply_parallel(model, ParallelConfig(world_size=2, moe_tp_size=2), 0)
     with pytest.raises(ValueError, match="torch.distributed must be initialised"):
         apply_parallel(model, ParallelConfig(world_size=2), 0)
     del model.layers[1].ffn.experts.act
+    # MXFP4 experts as stored cut only on whole scale groups: I = 128 over 8 is 16 columns of w2
+    with pytest.raises(ConfigError, match=r"parallel_config\.moe_tp_size: cannot cut w2 as stored: .*multiples of 32"):
+        apply_parallel(model, ParallelConfig(world_size=8, moe_tp_size=8), 0)
     model.head.fmt = "int8"
     with pytest.raises(ConfigError, match=r"parallel_config\.lmhead_tp_size: .*quantised"):
         apply_parallel(model, ParallelConfig(world_size=2, lmhead_tp_size=2), 0)
