@@ -42,7 +42,7 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_width_ckpt(tmp_path_factory):
-    """Path of ``dsv4-make-tiny --preset flash-real-width --seed 0`` (2.8 GB, about a minute on 2
+    """Path of ``dsv4-make-tiny --preset flash-real-width --seed 0`` (2.9 GB, about a minute on 2
     cores): written on first use, deleted when the session ends (pytest keeps old temp dirs)."""
     d = tmp_path_factory.mktemp("flash-real-width")
     yield make_tiny("flash-real-width", 0, d)

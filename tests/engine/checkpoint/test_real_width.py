@@ -1,6 +1,6 @@
 """``dsv4-make-tiny --preset flash-real-width`` writes the real Flash widths: its config and shapes
 against reference/dsv4-architecture.md §1.1 / §2.2 (Flash column), read from the shard headers only
-(loading it in fp32 would take ~9 GB)."""
+(loading it in fp32 peaks at 16 GB of RSS today)."""
 import json
 import math
 from pathlib import Path
@@ -12,7 +12,7 @@ from engine.checkpoint.layout import checkpoint_layout
 from engine.checkpoint.shards import DTYPE_BYTES, scan_checkpoint
 from engine.config import ModelArgs
 
-pytestmark = pytest.mark.slow          # the session fixture writes 2.8 GB (about a minute on 2 cores)
+pytestmark = pytest.mark.slow          # the session fixture writes 2.9 GB (about a minute on 2 cores)
 
 # §1.1, Flash column; the preset keeps every width and cuts depth and expert count
 FLASH_WIDTHS = dict(vocab_size=129280, hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
