@@ -1,7 +1,10 @@
 """Shared fixtures: tiny checkpoints written by dsv4-make-tiny (once per session), the flash one
-as a path string, and an in-process reference engine on configs/tiny-flash.yaml (a module may
-define its own ``ckpt`` / ``reference``)."""
+as a path string, the real-width Flash checkpoint (once per session, removed at its end), and an
+in-process reference engine on configs/tiny-flash.yaml (a module may define its own ``ckpt`` /
+``reference``)."""
 from __future__ import annotations
+
+import shutil
 
 import engine  # noqa: F401  - sets MKL_CBWR before any GEMM (engine/__init__.py)
 import pytest
@@ -35,6 +38,15 @@ def tiny_ckpt(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def real_width_ckpt(tmp_path_factory):
+    """Path of ``dsv4-make-tiny --preset flash-real-width --seed 0`` (2.9 GB, about a minute on 2
+    cores): written on first use, deleted when the session ends (pytest keeps old temp dirs)."""
+    d = tmp_path_factory.mktemp("flash-real-width")
+    yield make_tiny("flash-real-width", 0, d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ FP4_MAX = 6.0
 MXFP4_GROUP = 32
 # e2m1 code -> value (§2.1); index = 4-bit code.
 FP4_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_FP4_MIDPOINTS = (FP4_LUT[:7] + FP4_LUT[1:8]) / 2
 
 
 class QuantFormatError(ValueError):
@@ -110,6 +111,11 @@ def quant_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
     n, k = w.shape
     bo, bi = block
     gn, gk = -(-n // bo), -(-k // bi)
+    if n % bo == 0 and k % bi == 0:     # whole blocks: scale through a view, no padded or repeated copy
+        wb = w.float().reshape(gn, bo, gk, bi)
+        e = _pow2_exponent(wb.abs().amax(dim=(1, 3)), E4M3_MAX)
+        q = (wb / torch.exp2(e)[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.reshape(n, k), (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
     pad = torch.zeros(gn * bo, gk * bi, dtype=torch.float32)
     pad[:n, :k] = w.float()
     amax = pad.abs().view(gn, bo, gk, bi).amax(dim=(1, 3))
@@ -130,8 +136,8 @@ def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.float().view(n, k // MXFP4_GROUP, MXFP4_GROUP)
     e = _pow2_exponent(g.abs().amax(-1), FP4_MAX)
     x = (g / torch.exp2(e).unsqueeze(-1)).reshape(n, k)
-    pos = FP4_LUT[:8]
-    code = (x.abs().unsqueeze(-1) - pos).abs().argmin(-1)
-    code = code + 8 * ((x < 0) & (code > 0)).long()
+    # nearest e2m1 magnitude; a tie goes to the smaller one (the midpoints are exact in fp32)
+    code = torch.bucketize(x.abs(), _FP4_MIDPOINTS, out_int32=True)
+    code = code + 8 * ((x < 0) & (code > 0)).int()
     u8 = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
     return u8.view(torch.int8), (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)

