@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 from engine.config import ConfigError
 
 if TYPE_CHECKING:
+    from engine.config import ModelArgs
     from engine.run_config import RunConfig
+
+# Published minimum deployment units, in chips, of the full-size models (by hidden_size) per Ascend
+# generation (reference/peers.md, "Minimum deployment units"): 950PR/DT Flash 4, Pro 16; A3 Flash
+# (INT8) 4, Pro (INT8-INT4) 32. A rank is one device: an Atlas A3 chip (Ascend 910C) is two dies of
+# 64 GB, each its own device and rank; an A2 (910B) or 950 chip is one.
+MIN_CHIPS = {("A3", 4096): 4, ("A3", 7168): 32, ("950", 4096): 4, ("950", 7168): 16}
+RANKS_PER_CHIP = {"A2": 1, "A3": 2, "950": 1}
+MODEL_NAMES = {4096: "DeepSeek-V4-Flash", 7168: "DeepSeek-V4-Pro"}
 
 
 @functools.cache
@@ -91,3 +100,24 @@ def check_dsv4_settings(c: RunConfig) -> None:
     if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
         raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
                           f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")
+
+
+def min_ranks(hidden_size: int, version: str | None) -> tuple[int, int] | None:
+    """(chips, ranks) of the published minimum for a full-size model (``hidden_size`` 4096: Flash,
+    7168: Pro) on Ascend generation ``version`` (None: "A3", the default platform); None when there
+    is none (the tiny models, A2)."""
+    v = version or "A3"
+    chips = MIN_CHIPS.get((v, hidden_size))
+    return None if chips is None else (chips, chips * RANKS_PER_CHIP[v])
+
+
+def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> None:
+    """A full-size Flash / Pro on an Ascend generation needs at least its published number of
+    chips, counted in ranks (two per A3 chip). Raises ConfigError naming ``parallel_config.world_size``."""
+    need = min_ranks(args.hidden_size, version)
+    got = cfg.parallel_config.world_size
+    if need is not None and got < need[1]:
+        v = version or "A3"
+        per = "two 64 GB dies per A3 chip, one rank each" if RANKS_PER_CHIP[v] == 2 else f"one rank per {v} chip"
+        raise ConfigError(f"parallel_config.world_size: {MODEL_NAMES[args.hidden_size]} on {v} needs at least "
+                          f"{need[0]} chips = {need[1]} ranks (the published deployment minimum; {per}), got {got}")
