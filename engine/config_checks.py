@@ -121,3 +121,26 @@ def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> Non
         per = "two 64 GB dies per A3 chip, one rank each" if RANKS_PER_CHIP[v] == 2 else f"one rank per {v} chip"
         raise ConfigError(f"parallel_config.world_size: {MODEL_NAMES[args.hidden_size]} on {v} needs at least "
                           f"{need[0]} chips = {need[1]} ranks (the published deployment minimum; {per}), got {got}")
+
+
+def check_model_args(c: RunConfig, args: ModelArgs) -> None:
+    """The run config against the checkpoint's config.json: TP / EP sizes that divide the model,
+    the layer-count override, MTP present for next_n, and ``model_config.quant_type`` equal to the
+    type config.json says. Raises ConfigError naming the key."""
+    p, cp, m = c.parallel_config, c.model_config.custom_params, c.model_config
+    if args.num_attention_heads % p.attn_tp_size:
+        raise ConfigError(f"parallel_config.attn_tp_size: must divide num_attention_heads "
+                          f"({args.num_attention_heads}), got {p.attn_tp_size}")
+    if args.n_routed_experts % p.moe_ep_size:
+        raise ConfigError(f"parallel_config.moe_tp_size: moe_ep_size = world_size / moe_tp_size = "
+                          f"{p.moe_ep_size} must divide n_routed_experts ({args.n_routed_experts})")
+    if cp.num_hidden_layers is not None and cp.num_hidden_layers > args.num_hidden_layers:
+        raise ConfigError(f"model_config.custom_params.num_hidden_layers: must be <= the checkpoint's "
+                          f"num_hidden_layers ({args.num_hidden_layers}), got {cp.num_hidden_layers}")
+    if m.next_n > 0 and args.num_nextn_predict_layers < 1:
+        raise ConfigError(f"model_config.next_n: needs an MTP layer in the checkpoint "
+                          f"(num_nextn_predict_layers is 0), got {m.next_n}")
+    found = args.quant.quant_type if args.quant is not None else None
+    if m.quant_type is not None and found != m.quant_type:
+        raise ConfigError(f"model_config.quant_type: {m.quant_type!r}, but the checkpoint's config.json says "
+                          f"{found or 'the original (unconverted) weights'!r}")
