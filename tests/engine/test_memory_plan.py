@@ -135,3 +135,156 @@ def test_state_per_request_matches_reference_section_4(path, tokens):
     assert s["hca_kv"] == pytest.approx(hca * blocks * 128 / (tokens // 128), abs=0.01)
     assert s["mtp_window"] == 0
     assert sum(s.values()) == pytest.approx(total - 0.13 + s["hca_kv"] - hca, abs=0.5)
+
+
+# ---- against the tiny checkpoint's shard files and the engine's pools ---------------------------
+def _stored(ckpt) -> dict[str, int]:
+    """Bytes of every tensor in the checkpoint's shard headers (not the layout table)."""
+    from pathlib import Path
+
+    from engine.checkpoint.shards import DTYPE_BYTES, scan_checkpoint
+    return {n: math.prod(t.shape) * DTYPE_BYTES[t.dtype] for n, t in scan_checkpoint(Path(ckpt)).items()}
+
+
+def test_weights_at_world_1_are_the_tiny_checkpoints_stored_bytes(ckpt):
+    from engine.memory_sizes import COMPONENTS, Layout, component, weight_bytes
+    stored = _stored(ckpt)
+    total, mtp = sum(stored.values()), sum(b for n, b in stored.items() if n.startswith("mtp."))
+    args = ModelArgs.from_json(ckpt)
+    for next_n, held in ((1, total), (0, total - mtp)):       # MTP weights only when next_n > 0
+        w = weight_bytes(args, Layout(next_n=next_n))
+        assert sum(r.checkpoint for r in w.values()) == total
+        assert sum(r.read for r in w.values()) == sum(r.resident for r in w.values()) == held
+    for comp in COMPONENTS:
+        assert w[comp].checkpoint == sum(b for n, b in stored.items() if component(n) == comp), comp
+
+
+def _group(name: str, lay) -> int:
+    """Ranks one copy of a tensor is split over (engine.parallel.shard's groups); 1: replicated."""
+    if ".ffn.experts." in name:
+        return lay.world_size                                   # EP x MoE-TP: every rank a part
+    if name in ("embed.weight", "head.weight"):
+        return lay.embed_tp_size if name == "embed.weight" else lay.lmhead_tp_size
+    if ".ffn.shared_experts.w" in name:
+        return lay.shared_tp_size
+    return lay.o_proj_tp_size if ".attn.wo_a." in name or ".attn.wo_b." in name else 1
+
+
+@pytest.mark.parametrize("kw", [dict(world_size=2, embed_tp_size=2, lmhead_tp_size=2, o_proj_tp_size=2, next_n=1),
+                                dict(world_size=4, moe_tp_size=2, lmhead_tp_size=4, next_n=0),
+                                dict(world_size=8, embed_tp_size=8, o_proj_tp_size=2, next_n=1)])
+def test_ranks_hold_the_tiny_checkpoint_as_the_shard_rules_cut_it(ckpt, kw):
+    """Summed over the ranks, what they read is each tensor once per group it is split over:
+    a split tensor (experts, TP slices) world_size / group copies, a replicated one world_size."""
+    from engine.memory_sizes import Layout, weight_bytes
+    lay, args, stored = Layout(**kw), ModelArgs.from_json(ckpt), _stored(ckpt)
+    per_rank = [weight_bytes(args, lay, r) for r in range(lay.world_size)]
+    want = sum(b * lay.world_size // _group(n, lay) for n, b in stored.items()
+               if lay.next_n or not n.startswith("mtp."))
+    assert sum(sum(row.read for row in w.values()) for w in per_rank) == want
+    for w in per_rank:                                           # vocab 129280 splits evenly: no padding
+        assert sum(row.read for row in w.values()) == sum(row.resident for row in w.values())
+    assert per_rank[0]["routed_experts"].read * lay.world_size == sum(b for n, b in stored.items()
+                                                                      if n.startswith("layers.") and ".experts." in n)
+
+
+def test_the_lm_heads_last_slice_is_padded_to_ceil_v_over_s(ckpt):
+    from engine.memory_sizes import Layout, weight_bytes
+    args = ModelArgs.from_json(ckpt)                             # vocab 129280, hidden 256, bf16 head
+    lay = Layout(world_size=48, lmhead_tp_size=3)                # ceil(129280 / 3) = 43094 rows per slice
+    last = weight_bytes(args, lay, rank=2)["lm_head"]
+    assert (last.read, last.resident) == (43092 * 256 * 2, 43094 * 256 * 2)
+    assert weight_bytes(args, lay, rank=0)["lm_head"].read == 43094 * 256 * 2
+
+
+@pytest.mark.parametrize("next_n", [0, 1])
+@pytest.mark.parametrize("tokens", [1, 200, 4096, 5000])
+def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n):
+    """A PagedCache holding exactly one request of ``tokens`` tokens: its tensors' bytes minus
+    the scratch part are the plan's per-request state (the MTP window ring aside: the engine
+    does not hold one until it runs MTP)."""
+    import torch
+
+    from engine.checkpoint.make_tiny import PRESETS
+    from engine.core.block_manager import CacheConfig, Geometry, pool_bytes
+    from engine.core.kv_cache import PagedCache
+    from engine.memory_sizes import Layout, pool_overheads, state_per_request
+    args = ModelArgs.from_dict(PRESETS["flash"])
+    g = Geometry.of(args, 128, next_n)
+    cfg = CacheConfig(128, 1, {"c4": g.blocks_needed("c4", tokens), "c128": g.blocks_needed("c128", tokens)}, next_n)
+    cache = PagedCache(args, cfg, torch.float32)
+    cache.allocate("r", tokens)
+    assert all(n == 0 for n in cache.num_free().values())        # the request holds every block
+    tensors = [*cache.win, *cache.cmp_kv.values(), *cache.idx_kv.values(),
+               *(t for pair in [*cache.comp.values(), *cache.idx_comp.values()] for t in pair)]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    lay = Layout(act_bytes=4, next_n=next_n)
+    plan, (scratch, _) = state_per_request(args, lay, tokens), pool_overheads(args, lay)
+    assert allocated == pool_bytes(args, torch.float32, cfg)
+    assert allocated - scratch == sum(plan.values()) - plan["mtp_window"]
+    assert (plan["mtp_window"] > 0) == (next_n > 0)
+
+
+def test_the_pools_minimum_is_what_plan_cache_refuses_below():
+    from engine.checkpoint.make_tiny import PRESETS
+    from engine.core.block_manager import plan_cache
+    from engine.memory_sizes import Layout, pool_overheads
+    args = ModelArgs.from_dict(PRESETS["flash"])
+    f32 = type("F32", (), {"itemsize": 4})()
+    _, minimum = pool_overheads(args, Layout(act_bytes=4, batch_per_rank=8))
+    plan_cache(args, f32, 128, 8, minimum)
+    with pytest.raises(ValueError, match=f"below the minimum {minimum} bytes"):
+        plan_cache(args, f32, 128, 8, minimum - 1)
+
+
+# ---- dsv4-plan -------------------------------------------------------------------------------------
+REAL_YAMLS = ["configs/deepseek-v4-flash-a3-prefill.yaml", "configs/deepseek-v4-flash-a3-decode.yaml",
+              "configs/deepseek-v4-flash-a3-w8a8-16rank.yaml", "configs/deepseek-v4-pro-950-16rank.yaml"]
+
+
+def test_every_shipped_full_size_yaml_is_covered():
+    from pathlib import Path
+    assert sorted(str(p) for p in Path("configs").glob("deepseek-v4-*.yaml")) == sorted(REAL_YAMLS)
+
+
+@pytest.mark.parametrize("yaml", REAL_YAMLS)
+def test_dsv4_plan_prints_the_table_of_every_shipped_real_yaml(yaml, capsys):
+    from engine.tools.plan import main
+    assert main(["--config", yaml]) == 0                      # no other flag needed
+    out = capsys.readouterr().out
+    for line in ("weights (GiB)", "routed_experts", "workspace (GiB)", "state per request (MiB)",
+                 "requests that fit / rank", "verdict: fits"):
+        assert line in out, line
+    assert "configs/models/deepseek-v4-" in out and "(model_config.quant_type)" in out
+
+
+def test_dsv4_plan_json_quant_type_and_refusal(capsys):
+    import json
+
+    from engine.tools.plan import main
+    flash16 = "configs/deepseek-v4-flash-a3-w8a8-16rank.yaml"
+    assert main(["--config", flash16, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["fits"] and d["left"] == d["budget"] - d["resident"] - d["workspace_total"] and d["left"] >= 20e9
+    assert d["state"]["131072"]["total"] / MIB == pytest.approx(893.46, abs=0.01)
+    assert main(["--config", flash16, "--quant-type", "w4a8-int", "--json"]) == 0
+    d4 = json.loads(capsys.readouterr().out)
+    assert d4["quant_type"] == "w4a8-int" and d4["resident"] < d["resident"] - 7 * GIB    # int4 experts: half
+    assert main(["--config", flash16, "--device-memory-gib", "32"]) == 2
+    cap = capsys.readouterr()
+    assert "verdict: does NOT fit" in cap.out
+    assert "dsv4-plan: memory plan: DeepSeek-V4-Flash (w8a8-int) on 16 rank(s) of 32 GiB (--device-memory-gib) does " \
+           "not fit: weights 25.82 GiB + workspace 6.91 GiB exceed the 27.20 GiB budget" in cap.err
+
+
+def test_dsv4_plan_on_the_tiny_checkpoint_and_bad_input(ckpt, capsys):
+    from engine.tools.plan import main
+    assert main(["--config", "configs/tiny-flash.yaml", "--model", ckpt]) == 0       # CPU: cpu_memory_gb 1
+    out = capsys.readouterr().out
+    assert "on CPU" in out and "device: 1 GiB (scheduler_config.cpu_memory_gb, CPU)" in out
+    assert main(["--config", "configs/tiny-flash.yaml", "--model", "/nonexistent"]) == 2
+    assert "--model: no config.json in '/nonexistent'; point it at a checkpoint" in capsys.readouterr().err
+    for bad in (["--quant-type", "w8a8"], ["--device-memory-gib", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--config", REAL_YAMLS[0], *bad])
+        assert e.value.code == 2
