@@ -288,3 +288,15 @@ def test_dsv4_plan_on_the_tiny_checkpoint_and_bad_input(ckpt, capsys):
         with pytest.raises(SystemExit) as e:
             main(["--config", REAL_YAMLS[0], *bad])
         assert e.value.code == 2
+
+
+def test_docs_memory_plan_shows_the_current_table_of_every_shipped_real_yaml():
+    from pathlib import Path
+
+    from engine.run_config import RunConfig
+    from engine.tools.plan import format_plan, plan_run
+    doc = Path("docs/memory-plan.md").read_text()
+    for yaml in REAL_YAMLS:
+        plan, source = plan_run(RunConfig.from_yaml(yaml))
+        assert f"`dsv4-plan --config {yaml}`\n\n```\n{format_plan(plan, source)}\n```" in doc, \
+            f"docs/memory-plan.md: regenerate the table of {yaml}"
