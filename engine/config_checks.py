@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
@@ -69,6 +71,42 @@ def type_name(v: Any) -> str:
 def show(v: Any) -> str:
     """A value and its type for an error message."""
     return f"{v!r} ({type_name(v)})"
+
+
+def coerce(path: str, value: Any, hint: Any, section: Callable[[type, Any, str], Any]) -> Any:
+    """``value`` of the field at key ``path`` checked against its annotation ``hint`` and normalised
+    (int -> float; a mapping -> its section dataclass, built by ``section(cls, raw, path)``).
+    Raises ConfigError naming ``path``."""
+    args = typing.get_args(hint)
+    if type(None) in args:                                  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return value if isinstance(value, hint) else section(hint, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {show(value)}")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {show(value)}")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path}: must be a finite number, got {show(value)}")
+        return float(value) if type(value) is not float else value
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {show(value)}")
+    elif typing.get_origin(hint) is dict:                   # dict[str, str]
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in value.items()):
+            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {show(value)}")
+        return dict(value) if type(value) is not dict else value
+    else:  # pragma: no cover - a field type this module does not know
+        raise TypeError(f"{path}: unsupported field type {hint!r}")
+    return value
 
 
 def check_dsv4_settings(c: RunConfig) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,8 +28,8 @@ import yaml
 
 from engine.config import ConfigError, ModelArgs, read_text_file
 from engine.checkpoint.qscheme import QUANT_TYPES
-from engine.config_checks import (check_dsv4_settings, check_model_args, choice, fail, field_hints, in_range, positive,
-                                  show, type_name)
+from engine.config_checks import (check_dsv4_settings, check_model_args, choice, coerce, fail, field_hints, in_range,
+                                  positive, type_name)
 from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -365,42 +364,9 @@ def _check_fields(obj: Any) -> None:
     """Type-check (and normalise: int -> float, mapping -> section) every field of a section."""
     for name, hint in field_hints(type(obj)).items():
         value = getattr(obj, name)
-        new = _coerce(f"{obj._PATH}.{name}", value, hint)
+        new = coerce(f"{obj._PATH}.{name}", value, hint, _section_from_dict)
         if new is not value:
             object.__setattr__(obj, name, new)
-
-
-def _coerce(path: str, value: Any, hint: Any) -> Any:
-    args = typing.get_args(hint)
-    if type(None) in args:                                  # X | None
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if dataclasses.is_dataclass(hint):
-        return value if isinstance(value, hint) else _section_from_dict(hint, value, path)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: must be true or false, got {show(value)}")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: must be an integer, got {show(value)}")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path}: must be a finite number, got {show(value)}")
-        return float(value) if type(value) is not float else value
-    elif hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: must be a string, got {show(value)}")
-    elif typing.get_origin(hint) is dict:                   # dict[str, str]
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in value.items()):
-            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {show(value)}")
-        return dict(value) if type(value) is not dict else value
-    else:  # pragma: no cover - a field type this module does not know
-        raise TypeError(f"{path}: unsupported field type {hint!r}")
-    return value
 
 
 def _suggest(key: Any, known: Any, section: str | None = None, top_level: bool = False) -> str:

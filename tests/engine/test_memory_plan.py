@@ -37,7 +37,7 @@ def _plan(yaml: str, **kw):
 
 def test_flash_a3_16_rank_w8a8_leaves_20_gb_per_rank_for_state():
     plan = _plan("configs/deepseek-v4-flash-a3-w8a8-16rank.yaml")
-    w, lay = plan.weights, plan.layout
+    w = plan.weights
     assert plan.fits and plan.quant_type == "w8a8-int" and plan.device_bytes == 64 * GIB
     assert plan.budget == int(64 * GIB * 0.85)
     # routed experts int8 [N, K] + fp32 [N, 1] row scales, 256 / EP 16 = 16 per layer; the LM head a quarter (TP 4)
