@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ConfigError, ModelArgs
+from engine.config_checks import check_min_ranks
 from engine.core.executor import ExecutorFactory
 from engine.core.llm_engine import LLMEngine
 from engine.ops import ops_for
@@ -64,22 +65,6 @@ def check_platform_version(cfg: RunConfig, found: str | None) -> None:
     for name in ("enable_limit_core", "enable_pypto"):
         if getattr(cp, name) and version not in (None, "A3"):
             raise ConfigError(f"model_config.custom_params.{name}: A3 only, but the device is {version!r}")
-
-
-# published deployment minimums (chips) per Ascend generation for the full-size models
-# (reference/upstream-baseline.md; issue 9): A3 Flash INT8 4, Pro INT8-INT4 32; 950PR/DT Flash 4, Pro 16
-MIN_RANKS = {("A3", 4096): 4, ("A3", 7168): 32, ("950", 4096): 4, ("950", 7168): 16}
-_MODEL_NAMES = {4096: "DeepSeek-V4-Flash", 7168: "DeepSeek-V4-Pro"}
-
-
-def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> None:
-    """A full-size Flash / Pro (by hidden_size) on an Ascend generation needs at least its published
-    number of ranks. Raises ConfigError naming ``parallel_config.world_size``."""
-    need = MIN_RANKS.get((version or "A3", args.hidden_size))
-    got = cfg.parallel_config.world_size
-    if need is not None and got < need:
-        raise ConfigError(f"parallel_config.world_size: {_MODEL_NAMES[args.hidden_size]} on {version or 'A3'} "
-                          f"needs at least {need} ranks (the published deployment minimum), got {got}")
 
 
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",

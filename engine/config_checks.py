@@ -8,13 +8,24 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError
 
 if TYPE_CHECKING:
+    from engine.config import ModelArgs
     from engine.run_config import RunConfig
+
+# Published minimum deployment units, in chips, of the full-size models (by hidden_size) per Ascend
+# generation (reference/peers.md, "Minimum deployment units"): 950PR/DT Flash 4, Pro 16; A3 Flash
+# (INT8) 4, Pro (INT8-INT4) 32. A rank is one device: an Atlas A3 chip (Ascend 910C) is two dies of
+# 64 GB, each its own device and rank; an A2 (910B) or 950 chip is one.
+MIN_CHIPS = {("A3", 4096): 4, ("A3", 7168): 32, ("950", 4096): 4, ("950", 7168): 16}
+RANKS_PER_CHIP = {"A2": 1, "A3": 2, "950": 1}
+MODEL_NAMES = {4096: "DeepSeek-V4-Flash", 7168: "DeepSeek-V4-Pro"}
 
 
 @functools.cache
@@ -62,6 +73,42 @@ def show(v: Any) -> str:
     return f"{v!r} ({type_name(v)})"
 
 
+def coerce(path: str, value: Any, hint: Any, section: Callable[[type, Any, str], Any]) -> Any:
+    """``value`` of the field at key ``path`` checked against its annotation ``hint`` and normalised
+    (int -> float; a mapping -> its section dataclass, built by ``section(cls, raw, path)``).
+    Raises ConfigError naming ``path``."""
+    args = typing.get_args(hint)
+    if type(None) in args:                                  # X | None
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+    if dataclasses.is_dataclass(hint):
+        return value if isinstance(value, hint) else section(hint, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: must be true or false, got {show(value)}")
+    elif hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: must be an integer, got {show(value)}")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path}: must be a finite number, got {show(value)}")
+        return float(value) if type(value) is not float else value
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: must be a string, got {show(value)}")
+    elif typing.get_origin(hint) is dict:                   # dict[str, str]
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in value.items()):
+            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {show(value)}")
+        return dict(value) if type(value) is not dict else value
+    else:  # pragma: no cover - a field type this module does not know
+        raise TypeError(f"{path}: unsupported field type {hint!r}")
+    return value
+
+
 def check_dsv4_settings(c: RunConfig) -> None:
     """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
     # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
@@ -91,3 +138,47 @@ def check_dsv4_settings(c: RunConfig) -> None:
     if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
         raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
                           f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")
+
+
+def min_ranks(hidden_size: int, version: str | None) -> tuple[int, int] | None:
+    """(chips, ranks) of the published minimum for a full-size model (``hidden_size`` 4096: Flash,
+    7168: Pro) on Ascend generation ``version`` (None: "A3", the default platform); None when there
+    is none (the tiny models, A2)."""
+    v = version or "A3"
+    chips = MIN_CHIPS.get((v, hidden_size))
+    return None if chips is None else (chips, chips * RANKS_PER_CHIP[v])
+
+
+def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> None:
+    """A full-size Flash / Pro on an Ascend generation needs at least its published number of
+    chips, counted in ranks (two per A3 chip). Raises ConfigError naming ``parallel_config.world_size``."""
+    need = min_ranks(args.hidden_size, version)
+    got = cfg.parallel_config.world_size
+    if need is not None and got < need[1]:
+        v = version or "A3"
+        per = "two 64 GB dies per A3 chip, one rank each" if RANKS_PER_CHIP[v] == 2 else f"one rank per {v} chip"
+        raise ConfigError(f"parallel_config.world_size: {MODEL_NAMES[args.hidden_size]} on {v} needs at least "
+                          f"{need[0]} chips = {need[1]} ranks (the published deployment minimum; {per}), got {got}")
+
+
+def check_model_args(c: RunConfig, args: ModelArgs) -> None:
+    """The run config against the checkpoint's config.json: TP / EP sizes that divide the model,
+    the layer-count override, MTP present for next_n, and ``model_config.quant_type`` equal to the
+    type config.json says. Raises ConfigError naming the key."""
+    p, cp, m = c.parallel_config, c.model_config.custom_params, c.model_config
+    if args.num_attention_heads % p.attn_tp_size:
+        raise ConfigError(f"parallel_config.attn_tp_size: must divide num_attention_heads "
+                          f"({args.num_attention_heads}), got {p.attn_tp_size}")
+    if args.n_routed_experts % p.moe_ep_size:
+        raise ConfigError(f"parallel_config.moe_tp_size: moe_ep_size = world_size / moe_tp_size = "
+                          f"{p.moe_ep_size} must divide n_routed_experts ({args.n_routed_experts})")
+    if cp.num_hidden_layers is not None and cp.num_hidden_layers > args.num_hidden_layers:
+        raise ConfigError(f"model_config.custom_params.num_hidden_layers: must be <= the checkpoint's "
+                          f"num_hidden_layers ({args.num_hidden_layers}), got {cp.num_hidden_layers}")
+    if m.next_n > 0 and args.num_nextn_predict_layers < 1:
+        raise ConfigError(f"model_config.next_n: needs an MTP layer in the checkpoint "
+                          f"(num_nextn_predict_layers is 0), got {m.next_n}")
+    found = args.quant.quant_type if args.quant is not None else None
+    if m.quant_type is not None and found != m.quant_type:
+        raise ConfigError(f"model_config.quant_type: {m.quant_type!r}, but the checkpoint's config.json says "
+                          f"{found or 'the original (unconverted) weights'!r}")

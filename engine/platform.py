@@ -74,6 +74,10 @@ class Platform:
         if self.kind != "cpu":
             self._acc.set_device(self.device)
 
+    def total_memory(self) -> int | None:
+        """Bytes of memory on ``device`` (cuda / npu: ``mem_get_info``'s total); None on cpu."""
+        return None if self.kind == "cpu" else int(self._acc.mem_get_info(self.device)[1])
+
     @property
     def platform_version(self) -> str | None:
         """The Ascend generation of an npu device ("A2" | "A3" | "950", see ``soc_platform``); None

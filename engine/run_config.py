@@ -2,8 +2,9 @@
 
 Four sections with the upstream keys and defaults (reference/upstream-baseline.md §5.1):
 ``model_config`` (with ``custom_params``), ``data_config``, ``parallel_config`` and
-``scheduler_config``, so an upstream DeepSeek-V4 YAML loads as is. Our additions, all in
-``scheduler_config``: ``cpu_memory_gb``, ``num_kv_blocks``, ``max_model_len``.
+``scheduler_config``, so an upstream DeepSeek-V4 YAML loads as is. Our additions: in
+``scheduler_config`` ``cpu_memory_gb``, ``num_kv_blocks``, ``max_model_len``; in ``model_config``
+``quant_type`` and ``plan_config`` (the memory plan, ``engine.memory_plan``).
 
 Unlike config.json (written by the checkpoint's publisher, so unknown keys are only logged), a run
 config is written by the user: an unknown section or key is an error with a "did you mean"
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,7 +27,9 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, ModelArgs, read_text_file
-from engine.config_checks import check_dsv4_settings, choice, fail, field_hints, in_range, positive, show, type_name
+from engine.checkpoint.qscheme import QUANT_TYPES
+from engine.config_checks import (check_dsv4_settings, check_model_args, choice, coerce, fail, field_hints, in_range,
+                                  positive, type_name)
 from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -93,6 +95,13 @@ class ModelConfig:
     enable_hadamard: bool = False
     hadamard_weight_path: str = ""
     custom_params: CustomParams = field(default_factory=CustomParams)
+    # ---- dsv4-pd additions ----
+    # the converted type model_path holds (dsv4-convert-model --quant-type); None: as its config.json
+    # says. Checked against that config.json at load; the memory plan applies it to plan_config's.
+    quant_type: str | None = None
+    # config.json (or a directory holding one) the memory plan reads while model_path has none (a
+    # placeholder): configs/models/deepseek-v4-flash | deepseek-v4-pro, the real published ones
+    plan_config: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.platform_version, int) and not isinstance(self.platform_version, bool):
@@ -103,6 +112,8 @@ class ModelConfig:
         if self.platform_version is not None:
             choice(self, "platform_version", PLATFORMS)
         in_range(self, "next_n", 0, MAX_NEXT_N)
+        if self.quant_type is not None:
+            choice(self, "quant_type", QUANT_TYPES)
         if self.enable_static_kernel and self.exe_mode != "npugraph_ex":
             fail(self, "enable_static_kernel", f"needs exe_mode 'npugraph_ex', got exe_mode {self.exe_mode!r}")
 
@@ -283,20 +294,9 @@ class RunConfig:
         return limit if n is None else n
 
     def check_model(self, args: ModelArgs) -> None:
-        """Checks that need the checkpoint's config.json. Raises ConfigError naming the key."""
-        p, cp = self.parallel_config, self.model_config.custom_params
-        if args.num_attention_heads % p.attn_tp_size:
-            raise ConfigError(f"parallel_config.attn_tp_size: must divide num_attention_heads "
-                              f"({args.num_attention_heads}), got {p.attn_tp_size}")
-        if args.n_routed_experts % p.moe_ep_size:
-            raise ConfigError(f"parallel_config.moe_tp_size: moe_ep_size = world_size / moe_tp_size = "
-                              f"{p.moe_ep_size} must divide n_routed_experts ({args.n_routed_experts})")
-        if cp.num_hidden_layers is not None and cp.num_hidden_layers > args.num_hidden_layers:
-            raise ConfigError(f"model_config.custom_params.num_hidden_layers: must be <= the checkpoint's "
-                              f"num_hidden_layers ({args.num_hidden_layers}), got {cp.num_hidden_layers}")
-        if self.model_config.next_n > 0 and args.num_nextn_predict_layers < 1:
-            raise ConfigError(f"model_config.next_n: needs an MTP layer in the checkpoint "
-                              f"(num_nextn_predict_layers is 0), got {self.model_config.next_n}")
+        """Checks that need the checkpoint's config.json (``config_checks.check_model_args``).
+        Raises ConfigError naming the key."""
+        check_model_args(self, args)
         self.max_model_len_for(args)
 
     # ---- loading / saving ------------------------------------------------------------------
@@ -364,42 +364,9 @@ def _check_fields(obj: Any) -> None:
     """Type-check (and normalise: int -> float, mapping -> section) every field of a section."""
     for name, hint in field_hints(type(obj)).items():
         value = getattr(obj, name)
-        new = _coerce(f"{obj._PATH}.{name}", value, hint)
+        new = coerce(f"{obj._PATH}.{name}", value, hint, _section_from_dict)
         if new is not value:
             object.__setattr__(obj, name, new)
-
-
-def _coerce(path: str, value: Any, hint: Any) -> Any:
-    args = typing.get_args(hint)
-    if type(None) in args:                                  # X | None
-        if value is None:
-            return None
-        hint = next(a for a in args if a is not type(None))
-    if dataclasses.is_dataclass(hint):
-        return value if isinstance(value, hint) else _section_from_dict(hint, value, path)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: must be true or false, got {show(value)}")
-    elif hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: must be an integer, got {show(value)}")
-    elif hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path}: must be a finite number, got {show(value)}")
-        return float(value) if type(value) is not float else value
-    elif hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: must be a string, got {show(value)}")
-    elif typing.get_origin(hint) is dict:                   # dict[str, str]
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                     for k, v in value.items()):
-            raise ConfigError(f"{path}: must be a mapping of strings to strings, got {show(value)}")
-        return dict(value) if type(value) is not dict else value
-    else:  # pragma: no cover - a field type this module does not know
-        raise TypeError(f"{path}: unsupported field type {hint!r}")
-    return value
 
 
 def _suggest(key: Any, known: Any, section: str | None = None, top_level: bool = False) -> str:

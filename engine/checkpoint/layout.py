@@ -27,6 +27,7 @@ hif8        uint8 HiF8 ``[N, K]``      fp32 ``[N, 1]``              per-row HiFl
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.checkpoint.qscheme import linear_format
@@ -34,6 +35,7 @@ from engine.config import CSA_RATIO, ModelArgs
 
 # safetensors dtype strings
 BF16, F32, I64, F8, E8M0, I8, U8, U64 = "BF16", "F32", "I64", "F8_E4M3", "F8_E8M0", "I8", "U8", "U64"
+ITEMSIZE = {BF16: 2, F32: 4, I64: 8, F8: 1, E8M0: 1, I8: 1, U8: 1, U64: 8}   # bytes per stored element
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class TensorSpec:
 
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensor takes in a shard file (elements x the dtype's size)."""
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)

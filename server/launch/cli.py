@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, name)
         if not lo <= v <= hi:
             die(f"launch-pd: --{name.replace('_', '-')}: {v} must be in [{lo:g}, {hi:g}] seconds")
+    if args.device_memory_gib is not None and not 0 < args.device_memory_gib < 1 << 20:
+        die(f"launch-pd: --device-memory-gib: {args.device_memory_gib} must be in (0, 2^20) GiB")
     for name, lo in (("max_pending", 1), ("max_queued", 0), ("max_retries", 0), ("max_migrations", 0)):
         if getattr(args, name) < lo:
             die(f"launch-pd: --{name.replace('_', '-')}: {getattr(args, name)} must be >= {lo}")

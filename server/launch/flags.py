@@ -41,6 +41,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=os.environ.get("DSV4_TRANSPORT", "zmq-tcp"), choices=TRANSPORTS)
     p.add_argument("--device", default=None,
                    help="auto | cpu | cuda[:i] | npu[:i] (env DSV4_DEVICE; auto: npu, then cuda, then cpu)")
+    p.add_argument("--device-memory-gib", type=float,
+                   help="prefill / decode / local: memory of one rank's device (GiB) for the memory plan checked "
+                        "before any weight is read (default: the npu / cuda device's total; on CPU the plan runs "
+                        "only with this flag); a layout that does not fit exits 2 (dsv4-plan prints the plan)")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")

@@ -20,11 +20,12 @@ log = logging.getLogger("launch-pd")
 
 
 def run_worker(args) -> int:
+    cfg = load_config(args)
+    check_memory(args, cfg)             # before any rank starts or weight is read (or torch imported)
     from engine.build import build_engine
     from engine.config import ConfigError
     from engine.checkpoint.shards import CheckpointError
     from server.workers.base import WorkerOptions
-    cfg = load_config(args)
     prefill = args.role == "prefill"
     opts = WorkerOptions(
         host=args.host, transport=args.transport, lease_s=args.lease_s, model_name=model_name(args, cfg),
@@ -98,6 +99,38 @@ def run_worker(args) -> int:
         if ranks is not None:
             ranks.close()
     return 1 if worker.rank_failure else 0
+
+
+def check_memory(args, cfg) -> None:
+    """The memory plan (``engine.memory_plan``, as ``dsv4-plan`` prints it) of this instance's
+    layout, from the checkpoint's config.json; exits 2 with its message when it does not fit.
+    Device memory: ``--device-memory-gib`` (with the runtime reserve when the run config names an
+    Ascend platform), else the device's own total (npu / cuda). On CPU the plan runs only with
+    ``--device-memory-gib``: the host's memory is shared by every rank, and the engine sizes its
+    pools from ``cpu_memory_gb`` itself. Run once per node (LOCAL_RANK 0, the process that starts
+    the others); a checkpoint without config.json is left to the load to report."""
+    from engine.config import ConfigError
+    from engine.memory_plan import MemoryPlanError, require_fit
+    from engine.memory_sizes import GIB
+    from engine.tools.plan import device_memory, plan_run
+    model = args.model or cfg.model_config.model_path
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not model or not (Path(model) / "config.json").is_file():
+        return
+    if args.device_memory_gib is not None:
+        dev = device_memory(cfg, args.device_memory_gib)
+    else:
+        platform = select_platform(args.device)
+        total = platform.total_memory()
+        if total is None:
+            return
+        dev = (total, f"{platform.device} total memory", True)
+    try:
+        plan, _ = plan_run(cfg, args.model, None, *dev)
+        require_fit(plan)
+    except (ConfigError, MemoryPlanError) as e:
+        die(f"launch-pd: {e}")
+    log.info("memory plan: %s (%s) fits: %.2f GiB weights, %.2f GiB workspace, %.2f GiB per rank for decode state",
+             plan.model, plan.quant_type, plan.resident / GIB, sum(plan.workspace.values()) / GIB, plan.left / GIB)
 
 
 def _start_digest(model_dir):
@@ -220,6 +253,8 @@ def run_local(args) -> int:
                  "transfer_timeout_s", "max_retries", "max_migrations"):
         extra += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
+    if args.device_memory_gib is not None:
+        workers += ["--device-memory-gib", str(args.device_memory_gib)]
     gw = extra + ["--lease-s", str(args.lease_s), "--reconnect-grace-s", str(args.reconnect_grace_s),
                   "--default-thinking", args.default_thinking] + (
         ["--served-model-name", args.served_model_name] if args.served_model_name else [])

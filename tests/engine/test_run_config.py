@@ -185,6 +185,23 @@ def test_check_model_against_tiny_checkpoint():
         ok.check_model(no_mtp)
 
 
+def test_quant_type_must_be_what_the_checkpoint_config_says():
+    """model_config.quant_type names the converted type model_path holds; the checkpoint's
+    config.json (here the tiny original, then its w8a8-int conversion) must agree."""
+    from engine.checkpoint.qscheme import compressed_tensors_config
+    original = ModelArgs.from_dict(PRESETS["flash"])
+    w8a8 = ModelArgs.from_dict(dict(PRESETS["flash"], quantization_config=compressed_tensors_config(
+        6, PRESETS["flash"]["compress_ratios"], "w8a8-int")))
+    cfg = RunConfig.from_dict({"model_config": {"quant_type": "w8a8-int"}})
+    cfg.check_model(w8a8)
+    RunConfig().check_model(original)
+    with pytest.raises(ConfigError, match=r"model_config\.quant_type: 'w8a8-int', but the checkpoint's config\.json "
+                                          r"says 'the original \(unconverted\) weights'"):
+        cfg.check_model(original)
+    with pytest.raises(ConfigError, match=r"model_config\.quant_type: 'w4a8-int', .* says 'w8a8-int'"):
+        RunConfig.from_dict({"model_config": {"quant_type": "w4a8-int"}}).check_model(w8a8)
+
+
 # (key path set, value, substring the message must contain) -- applied to the fixed upstream decode YAML
 GOOD = _with(UPSTREAM_DECODE, "model_config.custom_params.enable_multi_streams", True)
 BAD = [
@@ -238,6 +255,9 @@ BAD = [
     ("model_config.platform_version", "A5", "model_config.platform_version: must be one of 'A2', 'A3', '950'"),
     ("model_config.next_n", 4, "model_config.next_n: must be in [0, 3], got 4"),
     ("model_config.next_n", -1, "model_config.next_n: must be in [0, 3], got -1"),
+    ("model_config.quant_type", "w8a8", "model_config.quant_type: must be one of 'w8a8-int', 'w4a8-int', "
+     "'w4a8-mx', 'w4a8-mx-hif', got 'w8a8' (did you mean 'w8a8-int'?)"),
+    ("model_config.plan_config", 1, "model_config.plan_config: must be a string, got 1 (int)"),
     ("model_config.custom_params.moe_chunk_max_len", 0,
      "model_config.custom_params.moe_chunk_max_len: must be a positive integer, got 0"),
     ("model_config.custom_params.num_hidden_layers", 0, "model_config.custom_params.num_hidden_layers: must be a "),

@@ -52,15 +52,27 @@ def test_rank_env_errors_name_the_setting(kw, env, msg):
     assert msg in str(e.value)
 
 
-def test_platform_minimums_name_world_size():
+def test_platform_minimums_count_a3_dies_and_950_chips():
+    """Published minimums (reference/peers.md): A3 Flash 4 chips, Pro 32; 950 Flash 4, Pro 16. An
+    A3 chip is two 64 GB dies, each a rank: Flash needs 8 A3 ranks, Pro 64; a 950 chip is one rank."""
+    def cfg(n):
+        return RunConfig(parallel_config=ParallelConfig(world_size=n), scheduler_config=SchedulerConfig(batch_size=n))
     args = type("A", (), {"hidden_size": 7168})()
-    cfg = RunConfig(parallel_config=ParallelConfig(world_size=16), scheduler_config=SchedulerConfig(batch_size=16))
-    check_min_ranks(cfg, args, "950")                       # Pro on 950: 16 is enough
-    with pytest.raises(ConfigError, match=r"parallel_config.world_size: DeepSeek-V4-Pro on A3 needs at least 32"):
-        check_min_ranks(cfg, args, "A3")
+    check_min_ranks(cfg(16), args, "950")                   # Pro on 950: 16 chips = 16 ranks
+    check_min_ranks(cfg(64), args, "A3")                    # Pro on A3: 32 chips = 64 dies
+    with pytest.raises(ConfigError, match=r"parallel_config.world_size: DeepSeek-V4-Pro on A3 needs at least "
+                                          r"32 chips = 64 ranks .*two 64 GB dies per A3 chip.*, got 32"):
+        check_min_ranks(cfg(32), args, "A3")
     args.hidden_size = 4096
-    with pytest.raises(ConfigError, match="DeepSeek-V4-Flash on 950 needs at least 4 ranks"):
+    check_min_ranks(cfg(8), args, "A3")
+    check_min_ranks(cfg(8), args, None)                     # no platform_version: A3, the default
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4-Flash on A3 needs at least 4 chips = 8 ranks .*, got 4"):
+        check_min_ranks(cfg(4), args, "A3")
+    check_min_ranks(cfg(4), args, "950")
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4-Flash on 950 needs at least 4 chips = 4 ranks "
+                                          r"\(.*one rank per 950 chip\), got 1"):
         check_min_ranks(RunConfig(), args, "950")
+    check_min_ranks(RunConfig(), args, "A2")                # no published A2 minimum
     args.hidden_size = 256                                  # the tiny models: no minimum
     check_min_ranks(RunConfig(), args, "A3")
 
