@@ -72,12 +72,15 @@ def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return (e4m3_to_float(w) * s).to(out_dtype)
 
 
+# byte -> (value of its low nibble, value of its high nibble): one gather decodes two columns
+_BYTE_LUT = torch.stack([FP4_LUT[torch.arange(256) & 0xF], FP4_LUT[torch.arange(256) >> 4]], dim=-1)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 pairs ``int8 [..., in/2]`` -> fp32 ``[..., in]``; low nibble = even column."""
     u8 = packed.contiguous().view(torch.uint8)
-    lut = FP4_LUT.to(packed.device)
-    vals = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
-    return vals.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+    vals = _BYTE_LUT.to(packed.device).index_select(0, u8.reshape(-1).int())
+    return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -95,8 +98,8 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dt
     k = 2 * half
     if k % MXFP4_GROUP or tuple(scale.shape) != (n, k // MXFP4_GROUP):
         raise QuantFormatError(f"MXFP4 scale shape {tuple(scale.shape)} != ({n}, {k}/{MXFP4_GROUP})")
-    s = e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, 1)
-    return (unpack_fp4(packed) * s).to(out_dtype)
+    vals = unpack_fp4(packed).view(n, k // MXFP4_GROUP, MXFP4_GROUP) * e8m0_to_float(scale).unsqueeze(-1)
+    return vals.view(n, k).to(out_dtype)
 
 
 # ---- encoders (used by dsv4-make-tiny) --------------------------------------------------------

@@ -132,6 +132,8 @@ def _fill(job: tuple, views: MappedShards, device: torch.device, args: ModelArgs
             d.zero_()
             d = d[tuple(slice(0, n) for n in src.shape)]
         d.copy_(src)
+        del src
+        views.release(name)
     return dst
 
 

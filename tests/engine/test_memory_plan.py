@@ -300,3 +300,14 @@ def test_docs_memory_plan_shows_the_current_table_of_every_shipped_real_yaml():
         plan, source = plan_run(RunConfig.from_yaml(yaml))
         assert f"`dsv4-plan --config {yaml}`\n\n```\n{format_plan(plan, source)}\n```" in doc, \
             f"docs/memory-plan.md: regenerate the table of {yaml}"
+
+
+def test_the_plans_resident_weights_are_what_the_loader_holds(ckpt):
+    """The plan's rule (every kept tensor resident as stored) is the loader's: byte for byte."""
+    from engine.checkpoint.loader import load_model
+    from engine.memory_sizes import Layout, weight_bytes
+    args = ModelArgs.from_json(ckpt)
+    for next_n in (0, 1):
+        m = load_model(ckpt, progress=False, mtp=next_n > 0)
+        held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+        assert held == sum(r.resident for r in weight_bytes(args, Layout(next_n=next_n)).values())

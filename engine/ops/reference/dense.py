@@ -9,14 +9,14 @@ import torch.nn.functional as F
 
 from engine.checkpoint.hif8 import hif8_round
 from engine.checkpoint.mx import mx_fake_quant
-from engine.ops.packed import TILE_ELEMENTS, Packed, dequant, tiles
+from engine.ops.packed import Packed, dequant, tile_elements, tiles
 from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm, pad_block, pad_rows
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The vocab projection ``x @ weight^T``: x ``[M, H]`` fp32 (the last hidden of each sequence),
-    weight ``[V, H]`` as stored (bf16; cast to fp32 one tile of ``TILE_ELEMENTS`` at a time, never
-    the whole head); returns ``[M, V]`` fp32.
+    weight ``[V, H]`` as stored (bf16; cast to fp32 one tile of ``packed.tile_elements`` at a time,
+    never the whole head); returns ``[M, V]`` fp32.
 
     On CPU it streams the weight (the largest one, past any cache) as ``weight @ x_block^T`` over
     fixed blocks of ``GEMM_ROW_MULTIPLE`` rows: for decode-sized M that stays near the memory
@@ -29,7 +29,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     pad = pad_rows(x.shape[0])
     xp = F.pad(x, (0, 0, 0, pad)) if pad else x
     out = torch.empty(xp.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    step = max(1, TILE_ELEMENTS // max(weight.shape[1], 1))
+    step = max(1, tile_elements(x.device) // max(weight.shape[1], 1))
     for v0 in range(0, weight.shape[0], step):
         w = weight[v0:v0 + step].to(x.dtype)
         for b in range(0, xp.shape[0], GEMM_ROW_MULTIPLE):
@@ -74,14 +74,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight^T`` (no bias). x: ``[..., K]``; weight: ``[N, K]`` in any float dtype (cast to
-    x.dtype, one tile of ``TILE_ELEMENTS`` at a time when it is not x.dtype already); returns
+    x.dtype, one tile of ``packed.tile_elements`` at a time when it is not x.dtype already); returns
     ``[..., N]`` in x.dtype.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if weight.dtype == x.dtype or weight.numel() <= TILE_ELEMENTS:
+    tile = tile_elements(x.device)
+    if weight.dtype == x.dtype or weight.numel() <= tile:
         return gemm(x2, weight.to(x.dtype)).view(*lead, weight.shape[0])
-    step = max(1, TILE_ELEMENTS // weight.shape[1])
+    step = max(1, tile // weight.shape[1])
     spans = [(r, min(weight.shape[0], r + step)) for r in range(0, weight.shape[0], step)]
     return _tiled(x2, weight.shape[0], spans, lambda r0, r1: weight[r0:r1].to(x.dtype)).view(*lead, weight.shape[0])
 
@@ -107,7 +108,7 @@ def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tens
     Returns:
         ``[..., N]`` in x.dtype. Dequantisation is exact or rounds once, as the whole-weight one
         does, so this equals ``linear`` on the dense weight in x.dtype; a weight of at most
-        ``TILE_ELEMENTS`` runs as that very call (bit-equal).
+        ``packed.tile_elements`` runs as that very call (bit-equal).
     Raises:
         ValueError: an unknown fmt.
     """
@@ -155,14 +156,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor | Packed) -> torch.Tens
     Args:
         x: ``[T, G, K]`` (group g holds heads g*h/G .. (g+1)*h/G - 1, flattened).
         weight: ``[G * N, K]`` dense (any float dtype) or ``Packed``; group g uses rows
-            ``g*N .. g*N + N - 1``. Past ``TILE_ELEMENTS`` it is cast / dequantised one group at a time.
+            ``g*N .. g*N + N - 1``. Past ``packed.tile_elements`` it is cast / dequantised one group at a time.
     Returns:
         ``[T, G, N]`` in x.dtype.
     """
     T, G, K = x.shape
     N = weight.shape[-2] // G
-    if isinstance(weight, Packed) or (weight.dtype != x.dtype and weight.numel() > TILE_ELEMENTS):
-        if weight.shape[-2] * K > TILE_ELEMENTS:
+    tile = tile_elements(x.device)
+    if isinstance(weight, Packed) or (weight.dtype != x.dtype and weight.numel() > tile):
+        if weight.shape[-2] * K > tile:
             out = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
             for g in range(G):
                 w = (dequant(weight, x.dtype, (g * N, g * N + N)) if isinstance(weight, Packed)

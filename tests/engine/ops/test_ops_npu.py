@@ -19,6 +19,7 @@ import engine.ops.npu as npu
 import engine.ops.npu.runtime as npu_runtime
 import engine.ops.reference as R
 from engine.ops import IMPLS, OP_NAMES, REFERENCE, Ops, ops_for, validate_kernel_config
+from engine.ops.packed import Packed
 
 ROOT = Path(__file__).resolve().parents[3]
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
@@ -170,8 +171,8 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
         "gating_topk": (logits, rnd(16, dtype=f32), None, 3, 1.5),
         "swiglu_clamp": (rnd(T, 8) * 4, rnd(T, 8) * 4, 2.0),
         "moe_experts": (rnd(T, 16), gid, gw, rnd(4, 8, 16), rnd(4, 8, 16), rnd(4, 16, 8), 10.0),
-        "quant_linear": (rnd(T, 32), torch.randint(-127, 128, (8, 32), generator=g, dtype=torch.int8),
-                         rnd(8, 1, dtype=f32).abs() * 0.01, "int8", "int8-token"),
+        "quant_linear": (rnd(T, 32), Packed(torch.randint(-127, 128, (8, 32), generator=g, dtype=torch.int8),
+                                            rnd(8, 1, dtype=f32).abs() * 0.01, "int8"), "int8-token"),
     }
 
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import engine.ops.packed as packed_mod
-import engine.ops.reference.dense as dense_mod
 from engine.checkpoint.formats import dequant_linear
 from engine.checkpoint.fp8_mxfp4 import quant_fp8_block, quant_mxfp4
 from engine.checkpoint.hif8 import hif8_quant_per_channel
@@ -66,7 +65,7 @@ def test_quant_linear_in_tiles_is_batch_invariant_and_matches_dense(fmt, monkeyp
     dense = reference.linear(x, dequant(p, torch.float32))
     one_tile = reference.quant_linear(x, p, None)
     assert torch.equal(one_tile, dense)                                   # one tile: the very same call
-    monkeypatch.setattr(packed_mod, "TILE_ELEMENTS", 128 * 256)           # 4 tiles of 128 rows
+    monkeypatch.setattr(packed_mod, "CPU_TILE_ELEMENTS", 128 * 256)           # 4 tiles of 128 rows
     assert len(tiles(p)) == 4
     tiled = reference.quant_linear(x, p, None)
     torch.testing.assert_close(tiled, dense, rtol=1e-6, atol=1e-6)
@@ -79,7 +78,7 @@ def test_bf16_weights_cast_in_tiles(monkeypatch):
     w = (torch.randn(300, 64, generator=g)).to(torch.bfloat16)
     x = torch.randn(9, 64, generator=g)
     want = reference.linear(x, w.float())
-    monkeypatch.setattr(dense_mod, "TILE_ELEMENTS", 64 * 64)
+    monkeypatch.setattr(packed_mod, "CPU_TILE_ELEMENTS", 64 * 64)
     torch.testing.assert_close(reference.linear(x, w), want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(reference.lm_head(x, w), reference.lm_head(x, w.float()), rtol=1e-6, atol=1e-6)
     for i in (0, 8):
@@ -112,7 +111,7 @@ def test_grouped_linear_packed(monkeypatch):
     x = torch.randn(10, G, K, generator=g)
     want = reference.grouped_linear(x, dequant(p, torch.float32))
     assert torch.equal(reference.grouped_linear(x, p), want)
-    monkeypatch.setattr(dense_mod, "TILE_ELEMENTS", N * K)                # one group at a time
+    monkeypatch.setattr(packed_mod, "CPU_TILE_ELEMENTS", N * K)                # one group at a time
     torch.testing.assert_close(reference.grouped_linear(x, p), want, rtol=1e-6, atol=1e-6)
 
 
