@@ -49,8 +49,9 @@ if tuple(f.name for f in fields(Ops)) != OP_NAMES:
 def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
     """The ops table for a device kind (``engine.platform.Platform.kind``).
 
-    "cpu" / "cuda": ``REFERENCE`` (every op is the reference there, so "npu" entries of
-    ``kernel_config`` change nothing, but the mapping is still validated). "npu": the Ascend kernels
+    "cpu": ``REFERENCE``; "cuda": ``REFERENCE`` with torch's FP8 block-scaled GEMM as
+    ``quant_linear`` (``engine.ops.cuda``); "npu" entries of ``kernel_config`` change nothing there,
+    but the mapping is still validated. "npu": the Ascend kernels
     of ``engine.ops.npu`` over ``REFERENCE`` (imported here, on demand: importing ``engine.ops``
     never imports ``engine.ops.npu`` nor torch_npu).
 
@@ -59,8 +60,11 @@ def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
         engine.ops.npu.NpuUnavailableError (an ImportError): kind "npu" without a usable torch_npu.
     """
     cfg = validate_kernel_config(kernel_config)
-    if kind in ("cpu", "cuda"):
+    if kind == "cpu":
         return REFERENCE
+    if kind == "cuda":
+        from engine.ops.cuda import cuda_ops
+        return cuda_ops(REFERENCE)
     if kind == "npu":
         from engine.ops.npu import npu_ops
         return npu_ops(REFERENCE, cfg)

@@ -47,11 +47,13 @@ def test_imports_do_not_pull_torch_npu():
 
 
 # ---- ops_for / kernel_config -------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_ops_for_cpu_cuda_is_reference(kind):
-    assert ops_for(kind) is REFERENCE
-    assert ops_for(kind, {}) is REFERENCE
-    assert ops_for(kind, {"compressor": "native", "rms_norm": "npu", "moe_experts": "native"}) is REFERENCE
+def test_ops_for_cpu_is_reference_and_cuda_adds_only_the_fp8_gemm():
+    cfg = {"compressor": "native", "rms_norm": "npu", "moe_experts": "native"}
+    assert ops_for("cpu") is REFERENCE and ops_for("cpu", {}) is REFERENCE and ops_for("cpu", cfg) is REFERENCE
+    import engine.ops.cuda as cuda
+    for table in (ops_for("cuda"), ops_for("cuda", cfg)):
+        assert table.quant_linear is cuda.quant_linear
+        assert all(getattr(table, n) is getattr(REFERENCE, n) for n in OP_NAMES if n != "quant_linear")
 
 
 def test_kernel_config_unknown_op_names_key_and_lists_ops():
