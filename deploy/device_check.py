@@ -7,6 +7,9 @@ Run by ``deploy/device-check``; on a CUDA machine it finishes in a few minutes.
     python deploy/device_check.py [--device auto|cuda:0|npu:0|cpu] [--dtype float32|bfloat16]
                                   [--modes eager,static,graph,graph+streams] [--steps 64]
 
+On CUDA it then times the FP8 block-scaled GEMM (``engine.ops.cuda``) against the reference op at
+real Flash linear shapes.
+
 Modes: ``eager`` (Transformer.forward_batch), ``static`` (the fixed-shape step run eagerly: the
 graph mode's math), ``graph`` (CUDA graphs / npugraph_ex / torch.compile on CPU), and
 ``graph+streams`` (graph with enable_multi_streams).
@@ -77,6 +80,42 @@ def compare(ref, got) -> tuple[float, bool]:
     return worst, same
 
 
+# real Flash linear shapes (N, K): wq_a, wq_b, wo_b, shared w1 (reference §2.2)
+FP8_SHAPES = ((1024, 4096), (32768, 1024), (4096, 8192), (2048, 4096))
+
+
+def fp8_gemm_check(plat, rows=(1, 16, 256)) -> bool:
+    """The FP8 block-scaled GEMM (``engine.ops.cuda``) against the reference op at real shapes:
+    median ms of each and the largest relative difference (activation quantisation: ~1e-2)."""
+    from engine.checkpoint.fp8_mxfp4 import quant_fp8_block
+    from engine.ops import reference
+    from engine.ops.cuda import fp8_why, quant_linear
+    from engine.ops.packed import Packed
+    print(f"{'fp8 GEMM N x K':<18}{'rows':>6}{'kernel ms':>11}{'reference ms':>14}{'max rel diff':>14}  path")
+    ok = True
+    for n, k in FP8_SHAPES:
+        q, s = quant_fp8_block(torch.randn(n, k) * 0.02, (128, 128))
+        w = Packed(q.to(plat.device), s.to(plat.device), "fp8")
+        for m in rows:
+            x = torch.randn(m, k, device=plat.device, dtype=torch.bfloat16)
+            times = {}
+            for name, fn in (("kernel", quant_linear), ("reference", reference.quant_linear)):
+                fn(x, w, None)
+                plat.synchronize()
+                ts = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    y = fn(x, w, None)
+                    plat.synchronize()
+                    ts.append(time.perf_counter() - t)
+                times[name] = (statistics.median(ts), y.float())
+            rel = ((times["kernel"][1] - times["reference"][1]).abs().max() / times["reference"][1].abs().max()).item()
+            ok &= rel < 0.05
+            print(f"{f'{n} x {k}':<18}{m:>6}{times['kernel'][0] * 1e3:>11.3f}{times['reference'][0] * 1e3:>14.3f}"
+                  f"{rel:>14.2e}  {fp8_why(x, w, None) or 'scaled_mm'}", flush=True)
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
@@ -112,7 +151,9 @@ def main(argv=None) -> int:
             ok &= same
             print(f"{mode:<15}{batch:>6}{step * 1e3:>16.2f}{warm:>11.1f}{worst:>16.2e}  {same}", flush=True)
     model.configure(None)
-    print("device-check:", "OK" if ok else "MISMATCH (greedy tokens differ from eager)")
+    if plat.kind == "cuda":
+        ok &= fp8_gemm_check(plat)
+    print("device-check:", "OK" if ok else "MISMATCH (greedy tokens differ from eager, or the FP8 GEMM is off)")
     return 0 if ok else 1
 
 

@@ -223,6 +223,9 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     device = torch.device(device)
     with MappedShards(ckpt, keep) as views, torch.no_grad():
         _read_all(model, _jobs(model, keep), views, device, args, threads or min(8, os.cpu_count() or 1), progress)
+    empty = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if empty is not None:
+        raise CheckpointError(f"checkpoint: no stored tensor fills model tensor '{empty}'")
     check_int4_bias(model)
     if not packed:
         densify(model)
