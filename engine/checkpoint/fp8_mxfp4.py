@@ -40,13 +40,19 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
+# e4m3fn code -> fp32 value (every code, NaN included): on CPU one gather beats torch's
+# element-wise float8 conversion ~4x
+_E4M3_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
 def e4m3_to_float(w: torch.Tensor) -> torch.Tensor:
     """``float8_e4m3fn`` (or its raw uint8 bytes) -> fp32, exact (incl. subnormals, +-448, NaN)."""
-    if w.dtype == torch.uint8:
-        w = w.view(torch.float8_e4m3fn)
-    if w.dtype != torch.float8_e4m3fn:
+    if w.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise QuantFormatError(f"e4m3 weight: expected float8_e4m3fn or uint8, found {w.dtype}")
-    return w.to(torch.float32)
+    if w.device.type == "cpu":
+        codes = w.contiguous().view(torch.uint8)
+        return _E4M3_LUT.index_select(0, codes.reshape(-1).int()).view(w.shape)
+    return (w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w).to(torch.float32)
 
 
 def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -8,13 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm
-from engine.ops.packed import Packed, dequant
+from engine.ops.packed import Packed, dequant, tile_elements
 from engine.ops.reference.dense import act_quant
 
 
-def expert_weight(w: torch.Tensor | Packed, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert ``e`` of stacked weights ``[E, N, K]`` (dense or ``Packed``) as a dense ``[N, K]`` of ``dtype``."""
-    return dequant(w.expert(e), dtype) if isinstance(w, Packed) else w[e].to(dtype)
+def expert_weights(w: torch.Tensor | Packed, experts: list[int], dtype: torch.dtype):
+    """Experts ``experts`` of stacked weights ``[E, N, K]`` (dense or ``Packed``), each a dense
+    ``[N, K]`` of ``dtype``, yielded in order. Packed experts are dequantised a few at a time: as
+    many as fit in one tile (``packed.tile_elements``; one call for several small experts, one
+    expert per call at real sizes), never the whole stack."""
+    if not isinstance(w, Packed):
+        for e in experts:
+            yield w[e].to(dtype)
+        return
+    n, k = w.shape[-2:]
+    per = max(1, tile_elements(w.data.device) // (n * k))
+    for i in range(0, len(experts), per):
+        ids = experts[i:i + per]
+        yield from (dequant(w.expert(ids[0]), dtype)[None] if len(ids) == 1 else
+                    dequant(w.take(torch.tensor(ids, device=w.data.device)), dtype))
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
@@ -81,16 +93,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     if 0 < T <= MOE_BATCHED_TOKENS:
         return _moe_blocks(x, flat[order], tok, wt, w1, w3, w2, limit, act, out)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    used = [e for e, c in enumerate(counts) if c]
     start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
+    for e, d1, d3, d2 in zip(used, *(expert_weights(w, used, x.dtype) for w in (w1, w3, w2))):
+        c = counts[e]
         t_e = tok[start:start + c]
         xe = x[t_e]
-        h = swiglu_clamp(gemm(xe, expert_weight(w1, e, x.dtype)), gemm(xe, expert_weight(w3, e, x.dtype)), limit)
+        h = swiglu_clamp(gemm(xe, d1), gemm(xe, d3), limit)
         if act is not None:
             h = act_quant(h, act)
-        y = gemm(h, expert_weight(w2, e, x.dtype)).float() * wt[start:start + c, None].float()
+        y = gemm(h, d2).float() * wt[start:start + c, None].float()
         out.index_add_(0, t_e, y)                                        # experts in ascending order
         start += c
     return out.to(x.dtype)
@@ -117,8 +129,8 @@ def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
             src = swiglu_clamp(gate, up, limit)
             src = src if act is None else act_quant(src, act)
         src = src.view(n, R, -1)
-        for e, b0, b1 in spans:
-            wt_e = expert_weight(w, e, x.dtype).t()
+        for (e, b0, b1), dense in zip(spans, expert_weights(w, [e for e, _, _ in spans], x.dtype)):
+            wt_e = dense.t()
             for b in range(b0, b1):
                 torch.mm(src[b], wt_e, out=dst[b])
     # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order
