@@ -14,14 +14,16 @@ Terms, with the letters of reference/dsv4-architecture.md (H hidden, V vocab, n 
 d head_dim, q q_lora_rank, G o_groups, o o_lora_rank, W sliding_window, hI/dI/kI index_n_heads /
 index_head_dim / index_topk, E/k/I experts / per token / width, S shared experts):
 
-* weights (§2.2, shapes as ``engine.model`` builds them; ``weight_inventory`` lists every one):
+* weights (§2.2, as the checkpoint stores them, which is what the loader keeps;
+  ``weight_inventory`` lists every one; FLOPs count the logical out x in of each linear):
   per layer mHC ``hc_{attn,ffn}_fn [(2+n)n, nH]`` (§3.2), attention ``wq_a [q,H]``, ``wq_b [hd,q]``,
   ``wkv [d,H]``, ``wo_a [G o, hd/G]``, ``wo_b [H, G o]`` (§3.3), compressor ``wkv``/``wgate
   [c d, H]`` with c = 2 for CSA, 1 for HCA (§3.4), indexer ``wq_b [hI dI, q]``, ``weights_proj
   [hI, H]`` and its own CSA compressor at width dI (§3.5), router ``gate [E, H]``, routed experts
   ``3 x [E, I, H]`` and the shared expert ``3 x [S I, H]`` (§3.7); embedding ``[V, H]``, LM head
-  ``[V, H]``. The LM head, router, compressors, indexer ``weights_proj``, norms, mHC, sinks and
-  ape are fp32 in every compute dtype (``engine.model``); the rest is in the compute dtype.
+  ``[V, H]``. The products of the LM head, router, compressors, indexer ``weights_proj`` and
+  mHC run in fp32 in every compute dtype (``flops_fp32`` in a bf16 model); the rest in the
+  compute dtype.
 * decode, one step of B sequences at ``context`` tokens: every weight once, except the
   embedding (B rows), the compressors' ``ape`` (at most B of its m rows), the routed experts
   (the expected number of distinct experts B tokens touch, ``E (1 - (1 - k/E)^B)`` per layer)
@@ -126,84 +128,45 @@ def probe_hardware(seconds: float = 2.0, buffer_mib: int = 512, gemm_n: int = 20
 
 
 # ---- weights -----------------------------------------------------------------------------------
-def _block_weights(args: ModelArgs, ratio: int, hash_layer: bool, cb: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    """One decoder layer's parameters (names as ``engine.model.transformer.Block``): name -> (shape, bytes/elem)."""
-    H, n, d, nh, q = args.hidden_size, args.hc_mult, args.head_dim, args.num_attention_heads, args.q_lora_rank
-    G, o, E, I = args.o_groups, args.o_lora_rank, args.n_routed_experts, args.moe_intermediate_size
-    f32 = 4
-    mix = (2 + n) * n
-    w: dict[str, tuple[tuple[int, ...], int]] = {}
-    for site in ("attn", "ffn"):
-        w[f"hc_{site}_fn"] = ((mix, n * H), f32)
-        w[f"hc_{site}_base"] = ((mix,), f32)
-        w[f"hc_{site}_scale"] = ((3,), f32)
-    w["attn_norm.weight"] = ((H,), f32)
-    w["ffn_norm.weight"] = ((H,), f32)
-    w["attn.wq_a.weight"] = ((q, H), cb)
-    w["attn.q_norm.weight"] = ((q,), f32)
-    w["attn.wq_b.weight"] = ((nh * d, q), cb)
-    w["attn.wkv.weight"] = ((d, H), cb)
-    w["attn.kv_norm.weight"] = ((d,), f32)
-    w["attn.wo_a.weight"] = ((G * o, nh * d // G), cb)
-    w["attn.wo_b.weight"] = ((H, G * o), cb)
-    w["attn.attn_sink"] = ((nh,), f32)
-
-    def compressor(prefix: str, m: int, dim: int) -> None:
-        width = (2 if m == CSA_RATIO else 1) * dim
-        w[f"{prefix}.wkv.weight"] = ((width, H), f32)
-        w[f"{prefix}.wgate.weight"] = ((width, H), f32)
-        w[f"{prefix}.ape"] = ((m, width), f32)
-        w[f"{prefix}.norm.weight"] = ((dim,), f32)
-
-    if ratio:
-        compressor("attn.compressor", ratio, d)
-    if ratio == CSA_RATIO:
-        hI, dI = args.index_n_heads, args.index_head_dim
-        w["attn.indexer.wq_b.weight"] = ((hI * dI, q), cb)
-        w["attn.indexer.weights_proj.weight"] = ((hI, H), f32)
-        compressor("attn.indexer.compressor", CSA_RATIO, dI)
-    w["ffn.gate.weight"] = ((E, H), f32)
-    if not hash_layer:
-        w["ffn.gate.bias"] = ((E,), f32)
-    w["ffn.experts.w1"] = ((E, I, H), cb)
-    w["ffn.experts.w3"] = ((E, I, H), cb)
-    w["ffn.experts.w2"] = ((E, H, I), cb)
-    si = I * args.n_shared_experts
-    if si:
-        w["ffn.shared_experts.w1.weight"] = ((si, H), cb)
-        w["ffn.shared_experts.w2.weight"] = ((H, si), cb)
-        w["ffn.shared_experts.w3.weight"] = ((si, H), cb)
-    return w
-
-
 def weight_inventory(args: ModelArgs, dtype=torch.float32, mtp: bool = True) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Every parameter of the loaded model: name (as ``Transformer.named_parameters``) -> (shape, bytes/elem).
-
-    ``dtype``: the compute dtype (``load_model(dtype=...)``). The hash router's ``tid2eid`` is a
-    buffer, not a parameter, and is not listed. ``mtp``: include the MTP blocks (§3.8).
-    Converted checkpoints kept packed (int8 / MXFP8 / HiF8 linears) store other dtypes: not covered.
+    """Every parameter of the loaded model, as the checkpoint stores it (the loader keeps every
+    tensor as stored: FP8 / MXFP4 / int / bf16 / fp32, whatever the compute dtype): name (as
+    ``Transformer.named_parameters``; routed experts stacked, their scales ``wN_scale``) ->
+    (shape, bytes per element). The hash router's ``tid2eid`` is a buffer and is not listed.
+    ``mtp``: include the MTP blocks (§3.8). ``dtype`` (the compute dtype) changes nothing here.
     """
-    cb = dtype_bytes(dtype)
-    H, V, n = args.hidden_size, args.vocab_size, args.hc_mult
-    inv: dict[str, tuple[tuple[int, ...], int]] = {
-        "embed.weight": ((V, H), cb), "norm.weight": ((H,), 4), "head.weight": ((V, H), 4),
-        "hc_head_fn": ((n, n * H), 4), "hc_head_base": ((n,), 4), "hc_head_scale": ((1,), 4)}
-    for i in range(args.num_hidden_layers):
-        for k, v in _block_weights(args, args.compress_ratios[i], args.is_hash_layer(i), cb).items():
-            inv[f"layers.{i}.{k}"] = v
-    if mtp:
-        for j in range(args.num_mtp_layers):
-            p = f"mtp.{j}."
-            blk = _block_weights(args, 0, False, cb)
-            blk.update({"enorm.weight": ((H,), 4), "hnorm.weight": ((H,), 4), "norm.weight": ((H,), 4),
-                        "e_proj.weight": ((H, H), cb), "h_proj.weight": ((H, H), cb),
-                        "hc_head_fn": ((n, n * H), 4), "hc_head_base": ((n,), 4), "hc_head_scale": ((1,), 4)})
-            inv.update({p + k: v for k, v in blk.items()})
+    from engine.checkpoint.layout import checkpoint_layout
+    from engine.checkpoint.loader import param_of
+    from engine.checkpoint.shards import DTYPE_BYTES
+    inv: dict[str, tuple[tuple[int, ...], int]] = {}
+    for name, spec in checkpoint_layout(args).items():
+        if (not mtp and name.startswith("mtp.")) or name.endswith("tid2eid"):
+            continue
+        mod, attr, e = param_of(name)
+        shape = spec.shape if e is None else (args.n_routed_experts, *spec.shape)
+        inv[f"{mod}.{attr}" if mod else attr] = (tuple(shape), DTYPE_BYTES[spec.dtype])
     return inv
 
 
+def _linear_elements(args: ModelArgs) -> dict[str, int]:
+    """Logical weight elements (out x in; all experts of a stack) of every linear, by parameter name:
+    what a token's matmul FLOPs count, whatever the storage packs them into."""
+    from engine.checkpoint.layout import model_linears
+    out: dict[str, int] = {}
+    for name, lin in model_linears(args).items():
+        mod, attr, e = param_of_linear(name)
+        out[f"{mod}.{attr}"] = out.get(f"{mod}.{attr}", 0) + lin.out_features * lin.in_features
+    return out
+
+
+def param_of_linear(name: str) -> tuple[str, str, int | None]:
+    """A linear's weight parameter: (module, attribute, expert) of ``name.weight``."""
+    from engine.checkpoint.loader import param_of
+    return param_of(f"{name}.weight")
+
+
 def weight_bytes(args: ModelArgs, dtype=torch.float32, mtp: bool = True) -> int:
-    """Bytes of all parameters (all experts; MTP blocks too unless ``mtp=False``)."""
+    """Bytes of all parameters as stored (all experts; MTP blocks too unless ``mtp=False``)."""
     return sum(math.prod(s) * b for s, b in weight_inventory(args, dtype, mtp).values())
 
 
@@ -240,9 +203,11 @@ def _part_of(name: str) -> str:
     raise ValueError(f"roofline: no cost-model part for parameter {name!r}")
 
 
-def _is_matmul(name: str, shape: tuple[int, ...]) -> bool:
-    """Weights used as ``x @ W^T`` once per token (2-D linears and the mHC ``*_fn`` mixes)."""
-    return len(shape) == 2 and name != "embed.weight" and not name.endswith(".ape")
+def _fp32_math(name: str) -> bool:
+    """Weights whose products run in fp32 in every compute dtype (§5): LM head, router,
+    compressors, the indexer's ``weights_proj``, the mHC mixes."""
+    return (name == "head.weight" or ".ffn.gate." in name or ".compressor." in name or "weights_proj" in name
+            or name.endswith("_fn"))
 
 
 def _add(parts: dict, part: str, nbytes: float = 0.0, flops: float = 0.0, fp32_flops: float = 0.0) -> None:
@@ -264,9 +229,11 @@ def _weight_terms(args: ModelArgs, cb: int, tokens: int, weight_reads: int, expe
     parts: dict = {}
     E, k = args.n_routed_experts, args.num_experts_per_tok
     touched = sum(expected_distinct_experts(E, k, t) for t in expert_tokens)
+    matmul = _linear_elements(args)                             # logical out x in, by parameter
     for name, (shape, b) in weight_inventory(args, cb, mtp=False).items():
-        part, numel = _part_of(name), math.prod(shape)
-        fp32 = b == 4 and cb != 4
+        part, stored = _part_of(name), math.prod(shape) * b
+        numel = matmul.get(name, math.prod(shape) if name.endswith("_fn") else 0)   # 0: not a matmul weight
+        fp32 = cb != 4 and _fp32_math(name)
         if part == "embed":
             _add(parts, part, embed_rows * shape[1] * b)
         elif name.endswith(".ape"):                             # one row per window slot in use
@@ -274,11 +241,11 @@ def _weight_terms(args: ModelArgs, cb: int, tokens: int, weight_reads: int, expe
             _add(parts, part, rows * shape[1] * b)
         elif part == "routed_experts":
             fl = 2 * tokens * k * numel / E
-            _add(parts, part, touched * numel / E * b, fl, fl if fp32 else 0.0)
+            _add(parts, part, touched * stored / E, fl, fl if fp32 else 0.0)
         else:
             head = part == "lm_head"                            # runs once, on head_rows rows
-            fl = 2 * (head_rows if head else tokens) * numel if _is_matmul(name, shape) else 0.0
-            _add(parts, part, (1 if head else weight_reads) * numel * b, fl, fl if fp32 else 0.0)
+            fl = 2 * (head_rows if head else tokens) * numel
+            _add(parts, part, (1 if head else weight_reads) * stored, fl, fl if fp32 else 0.0)
     # mHC mixing (§3.2): per layer and site y = sum_j pre_j X_j (nH), hc_post comb^T X + post f
     # (n^2 H + nH); the final hc_head collapse (nH). MACs -> 2 x.
     n, H, L = args.hc_mult, args.hidden_size, args.num_hidden_layers

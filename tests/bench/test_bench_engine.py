@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return load_model(ckpt, progress=False)
+    return load_model(ckpt, progress=False, mtp=True)
 
 
 def small_args() -> ModelArgs:
@@ -40,9 +40,10 @@ def small_args() -> ModelArgs:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_bytes_equal_loaded_parameters(ckpt, model, dtype):
     """Every parameter of the loaded model (all experts, MTP block included) has the shape and
-    element size the inventory says, so the analytic all-weights figure equals
-    sum(numel * element_size) exactly. The hash layers' tid2eid tables are buffers, not parameters."""
-    m = model if dtype == torch.float32 else load_model(ckpt, dtype=dtype, progress=False)
+    element size the inventory says: the checkpoint's storage in every compute dtype, so the
+    analytic all-weights figure equals sum(numel * element_size) exactly. The hash layers' tid2eid
+    tables are buffers, not parameters."""
+    m = model if dtype == torch.float32 else load_model(ckpt, dtype=dtype, progress=False, mtp=True)
     real = {n: (tuple(p.shape), p.element_size()) for n, p in m.named_parameters()}
     inv = R.weight_inventory(m.args, dtype)
     assert set(real) == set(inv)
@@ -54,34 +55,36 @@ def test_weight_bytes_equal_loaded_parameters(ckpt, model, dtype):
     a = m.args
     buffers = sum(b.numel() * b.element_size() for b in m.buffers())
     assert buffers == a.num_hash_layers * a.vocab_size * a.num_experts_per_tok * 8
-    # the fp32 ones stay fp32 in bf16: LM head, router, compressors
-    assert real["head.weight"][1] == real["layers.3.ffn.gate.weight"][1] == 4
-    assert real["layers.2.attn.compressor.wkv.weight"][1] == 4
-    assert real["layers.2.attn.wq_b.weight"][1] == (4 if dtype == torch.float32 else 2)
+    # as stored: bf16 head / router / compressors, FP8 + e8m0 scales, MXFP4 experts (1 byte per 2 weights)
+    assert real["head.weight"][1] == real["layers.3.ffn.gate.weight"][1] == real["layers.2.attn.compressor.wkv.weight"][1] == 2
+    assert real["layers.2.attn.wq_b.weight"][1] == real["layers.2.attn.wq_b.scale"][1] == 1
+    assert real["layers.2.ffn.experts.w1"][0] == (a.n_routed_experts, a.moe_intermediate_size, a.hidden_size // 2)
 
 
 # ---- decode cost, term by term -------------------------------------------------------------------
 def test_decode_cost_batch1_equals_hand_sum():
-    """small_args, batch 1, context 20, fp32 (4 bytes per value). H=8 V=10 n=2 h=2 d=8 q=4 G=2 o=3
-    W=4 hI=2 dI=4 kI=2 E=4 k=2 I=3 S=1; layers: 0 window-only (hash), 1 CSA, 2 HCA."""
+    """small_args, batch 1, context 20, fp32 compute. H=8 V=10 n=2 h=2 d=8 q=4 G=2 o=3 W=4 hI=2
+    dI=4 kI=2 E=4 k=2 I=3 S=1; layers: 0 window-only (hash), 1 CSA, 2 HCA. No quantization_config:
+    weights as stored are bf16 (linears, embedding, norms; 2 bytes) and fp32 (mHC, sinks, ape,
+    router bias; 4 bytes); the state is in the compute dtype (4 bytes)."""
     a = small_args()
     c = R.decode_cost(a, batch=1, context=20, dtype=torch.float32)
     H, V, n, h, d, q, G, o, E, k, I = 8, 10, 2, 2, 8, 4, 2, 3, 4, 2, 3
     mix = (2 + n) * n                                   # 8 mHC mix outputs
-    f = 4                                               # bytes per value
+    f, w2, w4 = 4, 2, 4                                 # state bytes per value; bf16 / fp32 weights
     # weights: params read once (embedding: one row; routed experts: the k of E one token picks)
-    embed = H
-    lm_head = V * H + H                                 # head + final norm
-    mhc = 3 * 2 * (mix * n * H + mix + 3) + (n * n * H + n + 1)        # per layer 2 sites, + hc_head
-    attn = 3 * (q * H + q + h * d * q + d * H + d + G * o * (h * d // G) + H * G * o + h)
-    norms = 3 * 2 * H
-    # compressors: wkv + wgate + one ape row (the token's window slot) + norm; CSA width 2d, HCA d
-    comp = (2 * 2 * d * H + 2 * d + d) + (2 * d * H + d + d)
-    idx = 2 * 4 * q + 2 * H + (2 * 2 * 4 * H + 2 * 4 + 4)              # wq_b, weights_proj, CSA comp at dI=4
-    router = 3 * E * H + 2 * E                          # gate weights, biases of the 2 non-hash layers
-    experts = 3 * k * 3 * I * H                         # 3 layers x k experts x (w1, w3, w2)
-    shared = 3 * 3 * I * H
-    weights = f * (embed + lm_head + mhc + attn + norms + comp + idx + router + experts + shared)
+    embed = w2 * H
+    lm_head = w2 * (V * H + H)                          # head + final norm
+    mhc = w4 * (3 * 2 * (mix * n * H + mix + 3) + (n * n * H + n + 1))        # per layer 2 sites, + hc_head
+    attn = 3 * (w2 * (q * H + q + h * d * q + d * H + d + G * o * (h * d // G) + H * G * o) + w4 * h)
+    norms = w2 * 3 * 2 * H
+    # compressors: wkv + wgate + norm (bf16), one ape row (fp32, the token's window slot); CSA width 2d, HCA d
+    comp = w2 * (2 * 2 * d * H + d) + w4 * 2 * d + w2 * (2 * d * H + d) + w4 * d
+    idx = w2 * (2 * 4 * q + 2 * H + 2 * 2 * 4 * H + 4) + w4 * 2 * 4            # wq_b, weights_proj, CSA comp at dI=4
+    router = w2 * 3 * E * H + w4 * 2 * E                # gate weights, biases of the 2 non-hash layers
+    experts = w2 * 3 * k * 3 * I * H                    # 3 layers x k experts x (w1, w3, w2)
+    shared = w2 * 3 * 3 * I * H
+    weights = embed + lm_head + mhc + attn + norms + comp + idx + router + experts + shared
     tid2eid = 1 * k * 8                                 # one hash layer: k int64 ids
     # state (context 20, the new token at position 20)
     window = 3 * (3 + 1) * d * f                        # min(20, W-1) = 3 rows read + 1 written, 3 layers
@@ -90,8 +93,8 @@ def test_decode_cost_batch1_equals_hand_sum():
     idx_keys = 5 * 4 * f                                # all 5 indexer keys of dI = 4
     comp_state = (2 * 2 * 16 * f + d * f / 4) + (2 * 2 * 8 * f + 4 * f / 4) + (2 * 2 * 8 * f + d * f / 128)
     assert c["bytes"] == pytest.approx(weights + tid2eid + window + csa + hca + idx_keys + comp_state, rel=1e-12)
-    assert c["parts"]["lm_head"]["bytes"] == f * lm_head
-    assert c["parts"]["routed_experts"]["bytes"] == f * experts
+    assert c["parts"]["lm_head"]["bytes"] == lm_head
+    assert c["parts"]["routed_experts"]["bytes"] == experts
     # FLOPs: 2 per weight of every per-token matmul, k of E experts, attention 4 h d per key
     linears = (V * H                                                   # head
                + 3 * 2 * mix * n * H + n * n * H                        # mHC mixes
@@ -105,11 +108,11 @@ def test_decode_cost_batch1_equals_hand_sum():
     assert c["flops"] == 2 * linears + 2 * mhc_mixing + attention + indexer
     assert c["flops_fp32"] == 0                                         # fp32 model: one peak
     assert c["experts_touched"] == pytest.approx(k)
-    # bf16: the compute-dtype weights halve, the fp32 ones (head, router, compressors, mHC) do not
+    # bf16 compute: the weights are the same bytes (as stored); the fp32 math (head, router,
+    # compressors, weights_proj, mHC) is counted apart
     b = R.decode_cost(a, 1, 20, torch.bfloat16)
-    assert b["parts"]["lm_head"]["bytes"] == c["parts"]["lm_head"]["bytes"]
-    assert b["parts"]["compressor"]["bytes"] == c["parts"]["compressor"]["bytes"]
-    assert b["parts"]["routed_experts"]["bytes"] == c["parts"]["routed_experts"]["bytes"] / 2
+    for part in ("lm_head", "compressor", "routed_experts", "attention"):
+        assert b["parts"][part]["bytes"] == c["parts"][part]["bytes"]
     assert b["flops_fp32"] == 2 * (V * H + 3 * 2 * mix * n * H + n * n * H + 2 * 2 * d * H + 2 * d * H
                                    + 2 * H + 2 * 2 * 4 * H + 3 * E * H) + 2 * mhc_mixing
 
@@ -137,7 +140,7 @@ def test_prefill_indexer_quadratic_and_limit(model):
     assert p1["chunks"] == 2 and p2["chunks"] == 4
     # weights once per 8192-token chunk; the LM head once (last row only)
     assert p2["parts"]["attention"]["bytes"] == 2 * p1["parts"]["attention"]["bytes"]
-    assert p2["parts"]["lm_head"]["bytes"] == p1["parts"]["lm_head"]["bytes"] == 4 * (a.vocab_size + 1) * a.hidden_size
+    assert p2["parts"]["lm_head"]["bytes"] == p1["parts"]["lm_head"]["bytes"] == 2 * (a.vocab_size + 1) * a.hidden_size
     assert p1["parts"]["lm_head"]["flops"] == 2 * a.vocab_size * a.hidden_size
     # the limit: the larger of the two terms binds
     hw = {"read_gbs": 10.0, "gemm_gflops": {"float32": 100.0, "bfloat16": 200.0}}
@@ -231,7 +234,7 @@ def test_cli_quick_writes_every_section(ckpt, tmp_path):
     res = json.loads(out.read_text())
     hw = res["hardware"]
     assert hw["read_gbs"] > 0 and hw["copy_gbs"] > 0 and hw["gemm_gflops"]["float32"] > 0 and hw["threads"] == 1
-    assert res["model"]["weight_bytes"] == res["model"]["param_bytes_loaded"]
+    assert res["model"]["weight_bytes_no_mtp"] == res["model"]["param_bytes_loaded"]          # next_n 0: no MTP
     assert [row["batch"] for row in res["decode_batch"]] == [1, 2]
     assert [row["context"] for row in res["decode_context"]] == [256, 512]
     assert [row["length"] for row in res["prefill"]] == [128, 256]
