@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from engine.checkpoint.qscheme import compressed_tensors_config
 from engine.config import ConfigError, ModelArgs
 from engine.config_checks import MODEL_NAMES, RANKS_PER_CHIP, min_ranks
-from engine.memory_sizes import GIB, Layout, WeightRow, pool_overheads, state_per_request, weight_bytes, workspace
+from engine.memory_sizes import (GIB, MIB, Layout, WeightRow, pool_overheads, state_per_request, weight_bytes,
+                                 workspace)
 
 STATE_LENGTHS = (8192, 131072, 1048576)                 # 8K, 128K, 1M tokens
 # Per-rank device memory, GiB (HBM sizes are binary): an Atlas A2 chip (910B) and an A3 die (910C:
@@ -120,6 +121,9 @@ def plan_memory(args: ModelArgs, lay: Layout, device_bytes: int, device_source: 
     accel = lay.platform is not None if accelerator is None else accelerator
     lengths = sorted({*STATE_LENGTHS, *([lay.max_model_len] if lay.max_model_len else [])})
     scratch, minimum = pool_overheads(args, lay)
+    if device_bytes < MIB:
+        raise ConfigError(f"{device_source or 'device memory'}: {device_bytes} bytes per rank is too small to plan "
+                          f"(at least 1 MiB)")
     plan = MemoryPlan(model_name(args), type_name(args), lay, rank, device_bytes, device_source,
                       weight_bytes(args, lay, rank), workspace(args, lay, accel),
                       {t: state_per_request(args, lay, t) for t in lengths}, scratch, minimum)

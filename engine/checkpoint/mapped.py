@@ -8,6 +8,7 @@ checked by ``engine.checkpoint.shards.scan_checkpoint`` (byte offsets included) 
 from __future__ import annotations
 
 import mmap
+import threading
 import warnings
 from pathlib import Path
 
@@ -28,8 +29,13 @@ class MappedShards:
     def __init__(self, ckpt: Path, found: dict[str, StoredTensor]):
         self.ckpt, self.found = ckpt, found
         self._maps: dict[str, tuple] = {}
+        self._lock = threading.Lock()                # loader threads map shards on first use
 
     def _map(self, file: str) -> mmap.mmap:
+        with self._lock:
+            return self._map_locked(file)
+
+    def _map_locked(self, file: str) -> mmap.mmap:
         if file not in self._maps:
             f = (self.ckpt / file).open("rb")
             try:

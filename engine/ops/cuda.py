@@ -58,6 +58,8 @@ def fp8_why(x: torch.Tensor, w: Packed, act: str | None) -> str | None:
         return f"tensors on {x.device.type}"
     if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
         return "blockwise FP8 GEMM needs sm90 or newer"
+    if x.numel() == 0:
+        return "no rows"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"x is {x.dtype}, the kernel outputs bf16 / fp16"
     if tuple(w.block) != (GROUP, GROUP) or tuple(w.offset) != (0, 0):

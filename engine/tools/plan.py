@@ -38,6 +38,8 @@ def plan_args(cfg, model: str | None = None, quant_type: str | None = None) -> t
     ``model_config.quant_type`` (as at load). Raises ConfigError naming the flag or key."""
     m = cfg.model_config
     ckpt = model or m.model_path
+    if model and not (Path(model) / "config.json").is_file():
+        raise ConfigError(f"--model: no config.json in {model!r}; point it at a checkpoint directory")
     if ckpt and (Path(ckpt) / "config.json").is_file():
         path, from_ckpt = Path(ckpt) / "config.json", True
     elif m.plan_config:

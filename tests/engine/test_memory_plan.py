@@ -275,6 +275,11 @@ def test_dsv4_plan_json_quant_type_and_refusal(capsys):
     assert "verdict: does NOT fit" in cap.out
     assert "dsv4-plan: memory plan: DeepSeek-V4-Flash (w8a8-int) on 16 rank(s) of 32 GiB (--device-memory-gib) does " \
            "not fit: weights 25.82 GiB + workspace 6.91 GiB exceed the 27.20 GiB budget" in cap.err
+    # a budget that rounds to nothing, and a --model that is not a checkpoint, are named (exit 2)
+    assert main(["--config", flash16, "--device-memory-gib", "1e-10"]) == 2
+    assert "--device-memory-gib: 0 bytes per rank is too small to plan" in capsys.readouterr().err
+    assert main(["--config", flash16, "--model", "/nonexistent"]) == 2
+    assert "--model: no config.json in '/nonexistent'" in capsys.readouterr().err
 
 
 def test_dsv4_plan_on_the_tiny_checkpoint_and_bad_input(ckpt, capsys):

@@ -110,10 +110,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     W8A8 experts as stored (``Packed`` int8 with ``act`` "int8-token", the A3 layout of a
     ``w8a8-int`` checkpoint): each GMM's input is quantised per token by ``npu_dynamic_quant``
     (the routed rows are copies of token rows, so this equals quantising x first) and the GMM runs
-    int8 x int8 with the per-channel ``scale`` (cast to the rows' dtype) and ``per_token_scale``
-    fp32, output in the rows' dtype: the doc's "pertoken full quantisation" row [OPP
-    torch_npu-npu_grouped_matmul.md, A2/A3 table: x / weight int8, scale bfloat16, per_token_scale
-    float32, output bfloat16], as upstream's W8A8 MoE does.
+    int8 x int8 with the per-channel ``scale`` and ``per_token_scale`` fp32, output in the rows'
+    dtype: the doc's "pertoken full quantisation" rows [OPP torch_npu-npu_grouped_matmul.md, A2/A3
+    table: x / weight int8, per_token_scale float32; scale bfloat16 for bfloat16 output, float32
+    for float16 output], as upstream's W8A8 MoE does.
 
     Falls back to the reference (one expert dequantised at a time, memory as stored) for: other
     packed formats (int4 / MXFP4 / FP4: their GMM layouts are not mapped), x not bf16/fp16, not
@@ -143,7 +143,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
             return npu.npu_grouped_matmul([a], [w.transpose(1, 2)], group_list=counts, split_item=3, group_type=0,
                                           group_list_type=1)[0]
         aq, a_scale = npu.npu_dynamic_quant(a)                      # per-token int8 (act "int8-token")
-        return npu.npu_grouped_matmul([aq], [w.data.transpose(1, 2)], scale=[w.scale.reshape(E, -1).to(a.dtype)],
+        scale_dtype = torch.bfloat16 if a.dtype == torch.bfloat16 else torch.float32     # doc: bf16 out / fp16 out
+        return npu.npu_grouped_matmul([aq], [w.data.transpose(1, 2)], scale=[w.scale.reshape(E, -1).to(scale_dtype)],
                                       per_token_scale=[a_scale.reshape(-1).float()], group_list=counts,
                                       split_item=3, group_type=0, group_list_type=1, output_dtype=a.dtype)[0]
 

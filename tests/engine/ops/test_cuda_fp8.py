@@ -55,3 +55,12 @@ def test_outside_the_contract_runs_the_reference():
     small = Packed(torch.empty(256, 256, dtype=torch.float8_e4m3fn, device="meta"),
                    torch.empty(2, 2, dtype=torch.float8_e8m0fnu, device="meta"), "fp8")
     assert "multiple of 4" in cuda.fp8_why(torch.empty(3, 256, dtype=torch.bfloat16, device="meta"), small, None)
+
+
+def test_zero_rows_run_the_reference():
+    """An idle attention-DP rank runs every linear on 0 rows: the blockwise GEMM refuses M = 0."""
+    w = Packed(torch.empty(256, 512, dtype=torch.float8_e4m3fn, device="meta"),
+               torch.empty(2, 4, dtype=torch.float8_e8m0fnu, device="meta"), "fp8")
+    assert cuda.fp8_why(torch.empty(0, 512, dtype=torch.bfloat16, device="meta"), w, None) == "no rows"
+    real = _weight(256, 512)
+    assert cuda.quant_linear(torch.zeros(0, 512, dtype=torch.bfloat16), real, None).shape == (0, 256)
