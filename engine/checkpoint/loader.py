@@ -42,6 +42,7 @@ from engine.ops.packed import dequant
 log = logging.getLogger(__name__)
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w[123])\.(weight|scale|bias)$")
 PROGRESS_EVERY_S = 5.0
+COPY_CHUNK_BYTES = 64 << 20        # a large tensor is checked, copied and unmapped this much at a time
 
 
 def narrow_cuts(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
@@ -125,14 +126,21 @@ def _fill(job: tuple, views: MappedShards, device: torch.device, args: ModelArgs
     p = getattr(module, attr)
     dst = torch.empty(p.shape, dtype=p.dtype, device=device)
     for name, cuts, idx in sources:
-        src = narrow_cuts(views.view(name), cuts)
-        check_values(name, src, args)
+        whole = views.view(name)
+        src = narrow_cuts(whole, cuts)
         d = dst if idx is None else dst[idx]
         if tuple(src.shape) != tuple(d.shape):                 # a padded shard (LM head): rows past the slice are 0
             d.zero_()
             d = d[tuple(slice(0, n) for n in src.shape)]
-        d.copy_(src)
-        del src
+        row = src[0].numel() * src.element_size() if src.dim() and len(src) else 0
+        step = max(1, COPY_CHUNK_BYTES // row) if row and src.is_contiguous() else max(len(src), 1) if src.dim() else 1
+        for r in range(0, len(src) if src.dim() else 1, step):       # bounded transients: checks, mapped pages
+            part = src[r:r + step] if src.dim() else src
+            check_values(name, part, args)
+            (d[r:r + step] if src.dim() else d).copy_(part)
+            if step < len(src):
+                views.release(name, part.data_ptr() - whole.data_ptr(), part.numel() * part.element_size())
+        del src, whole
         views.release(name)
     return dst
 

@@ -64,16 +64,19 @@ class MappedShards:
             raw = raw.clone()                    # safetensors does not promise alignment
         return raw.view(dtype).view(t.shape)
 
-    def release(self, name: str) -> None:
-        """Drop tensor ``name``'s mapped pages from this process (after its bytes were copied): file
-        pages count in the RSS while mapped; a later access would read them again from the file, so
-        a page shared with a tensor still being copied stays correct."""
+    def release(self, name: str, start: int = 0, nbytes: int | None = None) -> None:
+        """Drop the mapped pages of bytes ``[start, start + nbytes)`` of tensor ``name`` (default:
+        all of it) from this process, after they were copied: file pages count in the RSS while
+        mapped; a later access reads them again from the file, so a page shared with a tensor still
+        being copied stays correct."""
         t = self.found[name]
         if t.file not in self._maps or not t.nbytes or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        lo = t.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        begin = t.offset + start
+        end = t.offset + (t.nbytes if nbytes is None else min(t.nbytes, start + nbytes))
+        lo = begin // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            self._maps[t.file][1].madvise(mmap.MADV_DONTNEED, lo, t.offset + t.nbytes - lo)
+            self._maps[t.file][1].madvise(mmap.MADV_DONTNEED, lo, end - lo)
         except (OSError, ValueError):
             pass                                  # only the RSS figure is at stake
 

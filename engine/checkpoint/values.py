@@ -17,9 +17,26 @@ from engine.checkpoint.shards import CheckpointError
 from engine.config import ModelArgs
 
 
+# float dtype -> (same-width int view, magnitude mask, the first non-finite magnitude): NaN / inf
+# have every exponent bit set, so a value is finite iff (bits & mask) < that pattern; one AND and
+# one max run ~5x faster than torch.isfinite on bf16
+_FINITE = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80), torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+           torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a float tensor holds no NaN / inf (checked on its bits for bf16 / fp16 / fp32)."""
+    if t.numel() == 0:
+        return True
+    if t.dtype in _FINITE:
+        as_int, mask, inf = _FINITE[t.dtype]
+        return int((t.contiguous().view(as_int) & mask).max()) < inf
+    return bool(torch.isfinite(t).all())
+
+
 def check_values(name: str, t: torch.Tensor, args: ModelArgs) -> None:
     """Raise CheckpointError when stored tensor ``name`` (a host view) holds values it must not."""
-    if t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) and not torch.isfinite(t).all():
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) and not all_finite(t):
         raise CheckpointError(f"checkpoint: tensor '{name}' holds NaN or inf values")
     e8m0 = t.dtype == torch.float8_e8m0fnu or (t.dtype == torch.uint8 and name.endswith(".scale"))   # MX: uint8
     if e8m0 and (t.view(torch.uint8) == 255).any():
@@ -28,7 +45,7 @@ def check_values(name: str, t: torch.Tensor, args: ModelArgs) -> None:
         bits = t.contiguous().view(torch.int64)
         if bool((bits >> 32).any()):
             raise CheckpointError(f"checkpoint: tensor '{name}' has int4 scales with non-zero high 32 bits")
-        if not torch.isfinite(bits.to(torch.int32).view(torch.float32)).all():
+        if not all_finite(bits.to(torch.int32).view(torch.float32)):
             raise CheckpointError(f"checkpoint: tensor '{name}' holds NaN or inf values")
     if name.endswith("tid2eid") and t.numel() and (t.min() < 0 or t.max() >= args.n_routed_experts):
         raise CheckpointError(f"checkpoint: tensor '{name}' has expert ids outside [0, {args.n_routed_experts})")

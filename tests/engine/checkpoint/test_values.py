@@ -57,3 +57,17 @@ def test_a_nan_e8m0_scale_in_a_shard_is_refused_at_load(tiny_ckpt, tmp_path):
     save_file(sd, str(dst / shard))
     with pytest.raises(CheckpointError, match=f"tensor '{name}' holds NaN scales"):
         load_model(dst, progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_on_the_bits(dtype):
+    from engine.checkpoint.values import all_finite
+    x = torch.randn(1000).to(dtype)
+    x[7] = torch.finfo(dtype).max
+    x[8] = -torch.finfo(dtype).max
+    x[9] = torch.finfo(dtype).tiny / 4                                  # a subnormal
+    assert all_finite(x) and all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), float("-inf"), -float("nan")):
+        y = x.clone()
+        y[500] = bad
+        assert not all_finite(y) and not all_finite(y[400:600])
