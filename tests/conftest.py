@@ -40,10 +40,11 @@ def tiny_ckpt(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_width_ckpt(tmp_path_factory):
     """Path of ``dsv4-make-tiny --preset flash-real-width --seed 0`` (2.9 GB, about a minute on 2
-    cores): written on first use, deleted when the session ends (pytest keeps old temp dirs)."""
+    cores): written for the one module that uses it, deleted when that module ends (pytest keeps
+    old temp dirs; 2.9 GB of page cache should not stay for the rest of the session)."""
     d = tmp_path_factory.mktemp("flash-real-width")
     yield make_tiny("flash-real-width", 0, d)
     shutil.rmtree(d, ignore_errors=True)
