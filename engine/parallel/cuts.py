@@ -11,16 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.checkpoint.loader import narrow_cuts
 from engine.ops.packed import cut_offset, stored_cut
 
 _ROLE = {"": "data", "_scale": "scale", "_bias": "bias"}
-
-
-def narrow_cuts(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
-    """``t`` narrowed along each (dim, first, length) of ``cuts`` (a view)."""
-    for d, lo, n in cuts:
-        t = t.narrow(d, lo, n)
-    return t
 
 
 def shard_tensor(p: torch.Tensor, *cuts: tuple[int, int, int]) -> nn.Parameter:
