@@ -32,9 +32,7 @@ def synthetic_paged(model, context: int, generator: torch.Generator, headroom: i
     cache = PagedCache(model.args, CacheConfig(128, 1, {p: max(1, g.blocks_needed(p, n)) for p in ("c4", "c128")}),
                        model.dtype, model.embed.weight.device)
     held = cache.allocate(0, n)
-    pools = [*cache.win, *cache.cmp_kv.values(), *cache.idx_kv.values(),
-             *(t for pair in [*cache.comp.values(), *cache.idx_comp.values()] for t in pair)]
-    for t in pools:
+    for t in cache.tensors():
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     if context < CSA_RATIO:                         # no CSA window closed yet: overlap weights still 0
         cache.reset_slot(held.state_slot)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_dtype import CacheDtype
 from engine.config import ConfigError, ModelArgs
 from engine.config_checks import check_min_ranks
 from engine.core.executor import ExecutorFactory
@@ -67,6 +68,14 @@ def check_platform_version(cfg: RunConfig, found: str | None) -> None:
             raise ConfigError(f"model_config.custom_params.{name}: A3 only, but the device is {version!r}")
 
 
+def check_cache_platform(cache: CacheDtype, version: str | None) -> None:
+    """A3 has no FP8 / HiF8 arithmetic: its caches are bf16 KV with a bf16 or int8 indexer
+    (reference §7). Raises ConfigError naming ``scheduler_config.kv_cache_dtype``."""
+    if version == "A3" and {cache.kv, cache.indexer} & {"fp8", "hif8"}:
+        raise ConfigError(f"scheduler_config.kv_cache_dtype: {cache.describe()} needs FP8 / HiF8 caches, which "
+                          "Ascend A3 lacks (950 only); use int8 (int8 indexer, bf16 KV) or bfloat16")
+
+
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
                  progress: bool = True, graph: bool = True, rank: int = 0,
                  executor: ExecutorFactory | None = None) -> LLMEngine:
@@ -100,7 +109,9 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     def check(model) -> None:
         cfg.check_model(model.args)
         if plat.kind == "npu":
-            check_min_ranks(cfg, model.args, cfg.model_config.platform_version or plat.platform_version)
+            version = cfg.model_config.platform_version or plat.platform_version
+            check_min_ranks(cfg, model.args, version)
+            check_cache_platform(cfg.cache_dtype_for(model.args), version)
         if pc.world_size > 1:            # shard before loading: a rank reads and holds its shard only
             from engine.parallel.shard import apply_parallel
             apply_parallel(model, pc, rank)
@@ -134,7 +145,8 @@ def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -
                                max_prefill_tokens=cfg.effective_max_prefill_tokens, max_model_len=max_len,
                                mem_fraction_static=s.mem_fraction_static, cpu_memory_bytes=s.cpu_memory_bytes,
                                num_kv_blocks=s.num_kv_blocks, num_reserved_decode_tokens=s.num_reserved_decode_tokens,
-                               eos_ids=eos_token_ids(path, model.args), executor=executor)
+                               eos_ids=eos_token_ids(path, model.args), executor=executor,
+                               cache_dtype=cfg.cache_dtype_for(model.args))
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("scheduler_config") else f"scheduler_config: {e}") from None
     except (RuntimeError, MemoryError) as e:    # a pool larger than the machine (e.g. num_kv_blocks)

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from engine.cache_dtype import SETTINGS as CACHE_SETTINGS, CacheDtype, resolve as resolve_cache_dtype
 from engine.config import ConfigError, ModelArgs, read_text_file
 from engine.checkpoint.qscheme import QUANT_TYPES
 from engine.config_checks import (check_dsv4_settings, check_model_args, choice, coerce, fail, field_hints, in_range,
@@ -217,6 +218,7 @@ class SchedulerConfig:
     cpu_memory_gb: float = 4.0            # GiB that mem_fraction_static applies to on CPU
     num_kv_blocks: int | None = None      # explicit pool size (blocks), overrides the computed one
     max_model_len: int | None = None      # prompt + output tokens; None -> max_position_embeddings
+    kv_cache_dtype: str = "auto"          # auto (the checkpoint's cache schemes) | bfloat16 | int8 | fp8 | hif8
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -237,6 +239,9 @@ class SchedulerConfig:
             fail(self, "cpu_memory_gb", f"must be > 0, got {self.cpu_memory_gb!r}")
         positive(self, "num_kv_blocks", optional=True)
         positive(self, "max_model_len", optional=True)
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in CACHE_SETTINGS:
+            fail(self, "kv_cache_dtype", f"expected 'auto' or one of {sorted(CACHE_SETTINGS)}, "
+                                         f"got {self.kv_cache_dtype!r}")
 
     @property
     def cpu_memory_bytes(self) -> int:
@@ -298,6 +303,17 @@ class RunConfig:
         Raises ConfigError naming the key."""
         check_model_args(self, args)
         self.max_model_len_for(args)
+        self.cache_dtype_for(args)
+
+    def cache_dtype_for(self, args: ModelArgs) -> CacheDtype:
+        """The decode-state caches' storage: ``scheduler_config.kv_cache_dtype`` resolved against
+        the checkpoint's cache schemes (``engine.cache_dtype.resolve``). Raises ConfigError naming
+        the key."""
+        try:
+            return resolve_cache_dtype(self.scheduler_config.kv_cache_dtype, args.quant and args.quant.compressed)
+        except ValueError as e:
+            raise ConfigError(f"{e} (scheduler_config.kv_cache_dtype is {self.scheduler_config.kv_cache_dtype!r})"
+                              ) from None
 
     # ---- loading / saving ------------------------------------------------------------------
     @classmethod

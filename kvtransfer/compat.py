@@ -9,7 +9,8 @@ on the same fields, so a pair the gateway chooses is a pair the handshake accept
     backend      "gloo" | "nccl" | "hccl"         dist only: the data plane's collective backend
     fingerprint  ``wire.model_fingerprint``        sha256 over config, kv dtype and layout
     layout       dict compared key by key          the state layout and what the fingerprint
-                                                   covers, named: ``kv_dtype``, ``config`` (a
+                                                   covers, named: ``kv_dtype``, ``cache_dtype``
+                                                   (KV / indexer cache storage), ``config`` (a
                                                    short digest of config.json's keys),
                                                    ``weights`` (``engine.checkpoint.digest``)
 
@@ -77,7 +78,9 @@ def mismatch_cause(mine: dict, theirs: dict) -> str | None:
     key = diffs[0][0]
     if key in ("transport", "backend"):
         return "transport"
-    for cause in ("kv_dtype", "weights", "config"):
+    if any(k == "layout.kv_dtype" or k.startswith("layout.cache_dtype") for k, _, _ in diffs):
+        return "kv_dtype"
+    for cause in ("weights", "config"):
         if any(k == f"layout.{cause}" for k, _, _ in diffs):
             return cause
     return "config" if key == "fingerprint" else "layout"

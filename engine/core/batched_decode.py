@@ -25,6 +25,7 @@ import torch
 from engine.config import CSA_RATIO
 from engine.core.block_manager import slot_mapping
 from engine.ops import reference
+from engine.ops.cache_codec import quant_query
 from engine.ops.reference import gemm, row_mix, row_scores, topk_low_index, weighted_relu_sum
 
 if TYPE_CHECKING:
@@ -107,7 +108,8 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
                   entry_pool: torch.Tensor, table: torch.Tensor | None, entries, out_dtype: torch.dtype) -> None:
     """``reference.compressor`` (§3.4) for one token per row, over the state and entry pools.
 
-    x ``[B, H]``; state_pool: (kv, score) ``[slots, rows, c*d]`` fp32; entry_pool ``[rows, d]``; table
+    x ``[B, H]``; state_pool: (kv, score) ``[slots, rows, c*d]`` fp32; entry_pool: the entries'
+    ``CacheRows`` (rows of d, written through its codec); table
     ``[B, nb]`` of the entry pool; entries: each row's ``PagedEntries`` (their counts advance).
     A row whose window closes (p % m == m-1) pools it and writes entry p // m.
     """
@@ -140,7 +142,7 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     e = dec.positions[c] // m
     cos, sin = comp.rope.cos_sin(e * m)
     out = reference.rope(reference.rms_norm(pooled, comp.norm.weight, comp.norm.eps), cos, sin).to(out_dtype)
-    entry_pool[slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0]] = out
+    entry_pool.write(slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0], out)
     for i in shut:
         entries[i].num_entries += 1
 
@@ -155,7 +157,8 @@ def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entri
         if n == 0:
             continue
         keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
-        s = weighted_relu_sum(row_scores(iq[g].float(), keys), iw[g], idx.head_dim ** -0.5)
+        q = quant_query(entries[0].codec, iq[g])
+        s = weighted_relu_sum(row_scores(q.float(), keys), iw[g], idx.head_dim ** -0.5)
         allowed = torch.ones_like(s, dtype=torch.bool)
         out[g] = topk_low_index(s, allowed, idx.topk)
     return out
@@ -177,8 +180,8 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
     B, h, d = q.shape
     s0, bs = lstates[0], dec.cache.config.block_size
     win = s0.win_pool
-    win[dec.win_write] = kv
-    wk = win[dec.win_rows].float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
+    win.write(dec.win_write, kv)
+    wk = win.read(dec.win_rows).float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
     ck = topk = None
     if att.compressor is not None:
         pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
@@ -202,11 +205,11 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
         if n and topk is not None:                                             # CSA: the indexer's picks
             t = topk[g]
             valid = t >= 0
-            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c4"][g], bs, t.clamp_min(0))].float()     # [b, k, d]
+            ck = s0.cmp_kv.pool.read(slot_mapping(dec.tables["c4"][g], bs, t.clamp_min(0))).float()   # [b, k, d]
             scores.append(row_scores(kq, ck).mul(scale).masked_fill(~valid[:, None], float("-inf")))
         elif n:                                                                 # HCA: every entry
             idx = torch.arange(n, device=q.device).expand(len(g), n)
-            ck = s0.cmp_kv.pool[slot_mapping(dec.tables["c128"][g], bs, idx)].float()                  # [b, N, d]
+            ck = s0.cmp_kv.pool.read(slot_mapping(dec.tables["c128"][g], bs, idx)).float()              # [b, N, d]
             scores.append(row_scores(kq, ck).mul(scale))
         sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
         logits = torch.cat(scores + [sink], dim=-1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.cache_dtype import CacheDtype, indexer_row_bytes, kv_row_bytes
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
 
 GROWING = ("c4", "c128")
@@ -37,6 +38,7 @@ class CacheConfig:
     max_seqs: int
     num_blocks: dict[str, int]
     next_n: int = 0
+    cache_dtype: CacheDtype = CacheDtype()     # storage of the KV / indexer caches (engine.cache_dtype)
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_seqs < 1:
@@ -58,16 +60,20 @@ class Geometry:
     head_dim: int
     index_head_dim: int
     state_rows: dict[int, int]    # ratio -> compressor state rows (num_ratio_group * m)
+    rope_dim: int = 0
+    cache_dtype: CacheDtype = CacheDtype()
 
     @classmethod
-    def of(cls, args: ModelArgs, block_size: int, next_n: int = 0) -> "Geometry":
+    def of(cls, args: ModelArgs, block_size: int, next_n: int = 0, cache_dtype: CacheDtype | None = None
+           ) -> "Geometry":
         ring = math.ceil((args.sliding_window + next_n) / block_size) * block_size
         groups = 1 if next_n == 0 else 2
         return cls(block_size, ring,
                    tuple(i for i in range(args.num_hidden_layers) if args.compress_ratios[i] == CSA_RATIO),
                    tuple(i for i in range(args.num_hidden_layers) if args.compress_ratios[i] == HCA_RATIO),
                    args.num_hidden_layers, args.head_dim, args.index_head_dim,
-                   {CSA_RATIO: (groups + 1) * CSA_RATIO, HCA_RATIO: groups * HCA_RATIO})
+                   {CSA_RATIO: (groups + 1) * CSA_RATIO, HCA_RATIO: groups * HCA_RATIO},
+                   args.qk_rope_head_dim, cache_dtype or CacheDtype())
 
     def blocks_needed(self, pool: str, num_tokens: int) -> int:
         """Blocks of ``pool`` a request with ``num_tokens`` processed tokens holds."""
@@ -79,13 +85,16 @@ class Geometry:
         return math.ceil((num_tokens // m) / self.block_size)
 
     def bytes_per_block(self, pool: str, kv_bytes: int) -> int:
-        """Bytes of one block of ``pool`` across all its layers (kv_bytes: element size of KV)."""
-        bs, d = self.block_size, self.head_dim
+        """Bytes of one block of ``pool`` across all its layers (kv_bytes: element size of the
+        compute dtype; rows stored as ``cache_dtype`` says: ``engine.cache_dtype``)."""
+        bs = self.block_size
+        kv = kv_row_bytes(self.cache_dtype.kv, self.head_dim, self.rope_dim, kv_bytes)
         if pool == "win":
-            return self.num_layers * bs * d * kv_bytes
+            return self.num_layers * bs * kv
         if pool == "c4":
-            return len(self.csa_layers) * bs * (d + self.index_head_dim) * kv_bytes
-        return len(self.hca_layers) * bs * d * kv_bytes
+            return len(self.csa_layers) * bs * (kv + indexer_row_bytes(self.cache_dtype.indexer, self.index_head_dim,
+                                                                       kv_bytes))
+        return len(self.hca_layers) * bs * kv
 
     def state_bytes(self) -> int:
         """fp32 compressor-remainder bytes of one request (kv + score rows, all compressors)."""
@@ -103,10 +112,11 @@ class Geometry:
 
 
 def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_bytes: int,
-               next_n: int = 0) -> CacheConfig:
+               next_n: int = 0, cache_dtype: CacheDtype | None = None) -> CacheConfig:
     """Size the pools from a byte budget (``mem_fraction_static`` x memory - weights).
 
-    ``dtype``: the KV element type (anything with ``itemsize`` bytes, e.g. a ``torch.dtype``).
+    ``dtype``: the compute dtype (anything with ``itemsize`` bytes, e.g. a ``torch.dtype``);
+    ``cache_dtype``: the caches' storage (None: unquantised, rows of ``dtype``).
     Fixed parts (window ring, compressor state and a first block of each growing pool for
     ``max_seqs`` requests: a request holds whole blocks, so short ones would otherwise starve
     the HCA pool) come first; the rest is split between the CSA and HCA pools so both fill at the
@@ -115,7 +125,8 @@ def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_by
     Raises:
         ValueError: the budget does not hold the fixed parts plus one block of each growing pool.
     """
-    g = Geometry.of(args, block_size, next_n)
+    cache_dtype = cache_dtype or CacheDtype()
+    g = Geometry.of(args, block_size, next_n, cache_dtype)
     esize = dtype.itemsize
     growing = {p: g.bytes_per_block(p, esize) for p in GROWING if g.bytes_per_block(p, esize)}
     # + the scratch part (one more window ring and state slot, one trash row per entry pool)
@@ -131,14 +142,14 @@ def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_by
     per_token = sum(b / (ratio[p] * block_size) for p, b in growing.items())
     tokens = (budget_bytes - fixed) / per_token if per_token else 0
     blocks = {p: max_seqs + int(tokens // (ratio[p] * block_size)) for p in growing}
-    return CacheConfig(block_size, max_seqs, blocks, next_n)
+    return CacheConfig(block_size, max_seqs, blocks, next_n, cache_dtype)
 
 
 def pool_bytes(args: ModelArgs, dtype, config: CacheConfig) -> int:
     """Bytes ``PagedCache`` allocates for ``config`` (all pools, all layers; the scratch part for
     padding rows counts as one more request plus one trash row per entry pool). ``dtype``: the KV
     element type (has ``itemsize``)."""
-    g = Geometry.of(args, config.block_size, config.next_n)
+    g = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
     esize = dtype.itemsize
     fixed = (config.max_seqs + 1) * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
     trash = sum(g.bytes_per_block(p, esize) // config.block_size for p in GROWING)
@@ -206,7 +217,7 @@ class BlockManager:
 
     def __init__(self, args: ModelArgs, config: CacheConfig):
         self.args, self.config = args, config
-        g = self.geometry = Geometry.of(args, config.block_size, config.next_n)
+        g = self.geometry = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
         self.pools = {"win": BlockPool(config.max_seqs * g.blocks_needed("win", 0)),
                       "state": BlockPool(config.max_seqs)}
         for p in GROWING:

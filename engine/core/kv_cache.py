@@ -10,17 +10,21 @@ import math
 
 import torch
 
+from engine.cache_dtype import CacheDtype
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
 from engine.core.block_manager import GROWING, BlockManager, CacheConfig, plan_cache, pool_bytes
 from engine.core.paged_state import PagedSequenceState
+from engine.ops.cache_codec import CacheRows, codecs_for
 
 
 class PagedCache(BlockManager):
     """The preallocated pools of one worker: ``BlockManager``'s accounting plus the tensors it indexes.
 
-    Tensors (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset):
-      win[l] ``[(n_win + ring/bs) * bs, d]``; c4_kv[l] ``[n_c4 * bs + 1, d]``, c4_idx[l]
-      ``[n_c4 * bs + 1, dI]``; c128_kv[l] ``[n_c128 * bs + 1, d]``; comp_kv / comp_score[l]
+    Pools (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset), KV and
+    indexer keys as ``CacheRows`` in ``config.cache_dtype``'s storage (``engine.ops.cache_codec``;
+    read as rows of the compute dtype): win[l] ``(n_win + ring/bs) * bs`` rows of d; cmp_kv[l]
+    ``n_c4 * bs + 1`` (CSA) or ``n_c128 * bs + 1`` (HCA) rows of d; idx_kv[l] ``n_c4 * bs + 1``
+    rows of dI; fp32 tensors comp_kv / comp_score[l]
       ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
       2*dI]`` fp32 (CSA layers).
 
@@ -32,28 +36,38 @@ class PagedCache(BlockManager):
 
     def __init__(self, args: ModelArgs, config: CacheConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         super().__init__(args, config)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.cache_dtype = dtype, device, config.cache_dtype
         g = self.geometry
         bs, d, dI = config.block_size, args.head_dim, args.index_head_dim
         n_win = self.pools["win"].num_blocks
-        kv = dict(dtype=dtype, device=device)
+        self.kv_codec, self.idx_codec = codecs_for(config.cache_dtype, d, args.qk_rope_head_dim, dI, dtype)
+
+        def kv_rows(n: int) -> CacheRows:
+            return CacheRows.zeros(self.kv_codec, n, device)
+
         f32 = dict(dtype=torch.float32, device=device)
         S = config.max_seqs
         ring_blocks = g.blocks_needed("win", 0)
         self.pad_slot, self.pad_win_blocks = S, list(range(n_win, n_win + ring_blocks))
-        self.win = [torch.zeros((n_win + ring_blocks) * bs, d, **kv) for _ in range(g.num_layers)]
+        self.win = [kv_rows((n_win + ring_blocks) * bs) for _ in range(g.num_layers)]
         self.cmp_kv, self.idx_kv, self.comp, self.idx_comp = {}, {}, {}, {}
         for l in g.csa_layers:
             n = self.pools["c4"].num_blocks * bs + 1
-            self.cmp_kv[l], self.idx_kv[l] = torch.zeros(n, d, **kv), torch.zeros(n, dI, **kv)
+            self.cmp_kv[l], self.idx_kv[l] = kv_rows(n), CacheRows.zeros(self.idx_codec, n, device)
             rows = g.state_rows[CSA_RATIO]
             self.comp[l] = (torch.zeros(S + 1, rows, 2 * d, **f32), torch.zeros(S + 1, rows, 2 * d, **f32))
             self.idx_comp[l] = (torch.zeros(S + 1, rows, 2 * dI, **f32), torch.zeros(S + 1, rows, 2 * dI, **f32))
         for l in g.hca_layers:
-            self.cmp_kv[l] = torch.zeros(self.pools["c128"].num_blocks * bs + 1, d, **kv)
+            self.cmp_kv[l] = kv_rows(self.pools["c128"].num_blocks * bs + 1)
             rows = g.state_rows[HCA_RATIO]
             self.comp[l] = (torch.zeros(S + 1, rows, d, **f32), torch.zeros(S + 1, rows, d, **f32))
         self.trash_row = {p: self.pools[p].num_blocks * bs for p in GROWING}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor: the KV and indexer caches' stored parts, then the compressor states."""
+        rows = [*self.win, *self.cmp_kv.values(), *self.idx_kv.values()]
+        return [*(p for r in rows for p in r.parts),
+                *(t for pair in [*self.comp.values(), *self.idx_comp.values()] for t in pair)]
 
     def reset_slot(self, slot: int) -> None:
         """Reset a new request's compressor state (CSA previous-window scores at -inf, §3.4)."""
@@ -91,8 +105,9 @@ def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) ->
 
 
 def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: float, cpu_memory_bytes: int,
-               num_kv_blocks: int | None = None) -> CacheConfig:
-    """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``.
+               num_kv_blocks: int | None = None, cache_dtype: CacheDtype | None = None) -> CacheConfig:
+    """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``, the
+    caches stored as ``cache_dtype`` (None: unquantised).
 
     ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
     same token reach and at least ``batch_size`` blocks. None: ``plan_cache`` fills the budget.
@@ -108,11 +123,11 @@ def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: flo
     if num_kv_blocks is not None:
         # HCA blocks: the same token reach as the CSA pool, and at least one per running request
         c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
-        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128})
+        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128}, 0, cache_dtype or CacheDtype())
         need = pool_bytes(a, model.dtype, cfg)
         if need > budget:
             raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
                              f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
     else:
-        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget)
+        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget, cache_dtype=cache_dtype)
     return cfg

@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from engine.cache_dtype import CacheDtype
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
@@ -86,13 +87,16 @@ class LLMEngine:
     def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
               cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None, num_reserved_decode_tokens: int = 64,
-              eos_ids: tuple[int, ...] | None = None, executor: ExecutorFactory | None = None) -> "LLMEngine":
-        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine.
+              eos_ids: tuple[int, ...] | None = None, executor: ExecutorFactory | None = None,
+              cache_dtype: CacheDtype | None = None) -> "LLMEngine":
+        """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine;
+        ``cache_dtype``: the caches' storage (``engine.cache_dtype``; None: unquantised).
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
-        cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks)
+        cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks,
+                         cache_dtype)
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)

@@ -15,29 +15,44 @@ from engine.config import CSA_RATIO
 from engine.core.batched_decode import DecodeRows
 from engine.core.block_manager import SeqBlocks, slot_mapping
 from engine.model.state import CompressorState
+from engine.ops.cache_codec import CacheRows
 
 if TYPE_CHECKING:
     from engine.core.kv_cache import PagedCache
 
 
 class PagedEntries:
-    """Compressed entries of one request in one pool tensor: the ``GrowBuffer`` interface."""
+    """Compressed entries of one request in one pool (``CacheRows``): the ``GrowBuffer`` interface."""
 
-    def __init__(self, pool: torch.Tensor, table: torch.Tensor, bs: int, num_entries: int):
+    def __init__(self, pool: CacheRows, table: torch.Tensor, bs: int, num_entries: int):
         self.pool, self.table, self.bs, self.num_entries = pool, table, bs, num_entries
+        self.codec = pool.codec
+
+    def _rows(self, first: int, n: int) -> torch.Tensor:
+        idx = torch.arange(first, first + n, device=self.pool.device)
+        return slot_mapping(self.table, self.bs, idx)
 
     def append(self, rows: torch.Tensor) -> None:
-        """Write ``rows [n, D]`` as entries ``num_entries ..``."""
+        """Write ``rows [n, D]`` as entries ``num_entries ..`` (encoded by the pool's codec)."""
         n = rows.shape[0]
         if n:
-            idx = torch.arange(self.num_entries, self.num_entries + n, device=self.pool.device)
-            self.pool[slot_mapping(self.table, self.bs, idx)] = rows
+            self.pool.write(self._rows(self.num_entries, n), rows)
+            self.num_entries += n
+
+    def append_stored(self, parts) -> None:
+        """Write rows already in the stored format (the codec's parts ``[n, w_i]``)."""
+        n = parts[0].shape[0]
+        if n:
+            self.pool.scatter(self._rows(self.num_entries, n), parts)
             self.num_entries += n
 
     def view(self) -> torch.Tensor:
-        """All entries ``[N, D]`` gathered in order (a copy)."""
-        idx = torch.arange(self.num_entries, device=self.pool.device)
-        return self.pool[slot_mapping(self.table, self.bs, idx)]
+        """All entries ``[N, D]`` gathered in order, in the compute dtype (a copy)."""
+        return self.pool.read(self._rows(0, self.num_entries))
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """All entries as stored (the codec's parts, gathered in order)."""
+        return self.pool.gather(self._rows(0, self.num_entries))
 
 
 class PagedLayerState:
@@ -67,17 +82,18 @@ class PagedLayerState:
     def window_keys(self, new_kv: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, int]:
         """As ``LayerState.window_keys``: ring history + ``new_kv``, and the first row's position."""
         n_hist = min(start_pos, self.window - 1)
+        new_kv = self.win_pool.codec.round_trip(new_kv)       # what the ring will hold: read as stored
         if n_hist == 0:
             return new_kv, start_pos
         pos = torch.arange(start_pos - n_hist, start_pos, device=new_kv.device)
-        return torch.cat([self.win_pool[self.ring_rows(pos)], new_kv]), start_pos - n_hist
+        return torch.cat([self.win_pool.read(self.ring_rows(pos)), new_kv]), start_pos - n_hist
 
     def write_window(self, new_kv: torch.Tensor, start_pos: int) -> None:
         """Store the last ``min(T, ring)`` rows of ``new_kv`` at their ring slots."""
         T = new_kv.shape[0]
         keep = min(T, self.ring)
         pos = torch.arange(start_pos + T - keep, start_pos + T, device=new_kv.device)
-        self.win_pool[self.ring_rows(pos)] = new_kv[T - keep:]
+        self.win_pool.write(self.ring_rows(pos), new_kv[T - keep:])
 
 
 def _comp_view(tensors: tuple[torch.Tensor, torch.Tensor], slot: int, ratio: int) -> CompressorState:

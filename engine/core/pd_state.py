@@ -1,7 +1,10 @@
 """A request's decode state as named tensors: what a prefill worker ships to a decode worker.
 
 The names, shapes and dtypes are reference/dsv4-architecture.md §4's (no padding, no null
-blocks); ``state_tensors`` exports them from the pools, ``load_state_tensors`` imports them.
+blocks); ``state_tensors`` exports them from the pools, ``load_state_tensors`` imports them. KV
+and indexer keys travel as stored (``engine.ops.cache_codec``): a quantised cache ships its bytes
+and scales, a cache with two parts (the int8 / fp8 indexer: values and a per-row scale) as
+``<name>`` and ``<name>.scale``.
 """
 from __future__ import annotations
 
@@ -22,9 +25,10 @@ def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable
                   ) -> dict[str, torch.Tensor]:
     """The live decode state of ``seq_id`` after ``num_tokens`` (= L) tokens, no padding.
 
-    Per layer l: ``layers.l.win_kv`` ``[min(L, W-1), d]`` (positions L-W+1 .. L-1: what step L
-    reads); CSA / HCA ``layers.l.cmp_kv`` ``[floor(L/m), d]``; CSA ``layers.l.idx_kv``
-    ``[floor(L/4), dI]``; compressor remainders ``layers.l.{comp,idx_comp}.{kv,score}``
+    Per layer l (rows as stored: ``expected_shapes`` gives each part's width and dtype):
+    ``layers.l.win_kv`` ``min(L, W-1)`` rows (positions L-W+1 .. L-1: what step L reads); CSA /
+    HCA ``layers.l.cmp_kv`` ``floor(L/m)`` rows; CSA ``layers.l.idx_kv`` ``floor(L/4)`` rows;
+    compressor remainders ``layers.l.{comp,idx_comp}.{kv,score}``
     ``[L mod m, c*d]`` fp32 (score with ape added) and, once a CSA window has closed,
     ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous). ``layers``: only
     these layers (P/D pushes each layer as soon as its state is final).
@@ -36,19 +40,20 @@ def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable
             continue
         n = min(num_tokens, layer.window - 1)
         pos = torch.arange(num_tokens - n, num_tokens, device=layer.win_pool.device)
-        out.update(layer_state_tensors(l, layer, layer.win_pool[layer.ring_rows(pos)], num_tokens))
+        out.update(layer_state_tensors(l, layer, layer.win_pool.gather(layer.ring_rows(pos)), num_tokens))
     return out
 
 
 def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
     """Layer ``l``'s ``state_tensors`` entries from a ``PagedLayerState`` or a contiguous
     ``engine.model.state.LayerState`` (same attributes) after ``num_tokens`` tokens; ``win_kv``: its
-    window rows, positions L-n .. L-1. Entries are ``view()`` results, remainders copies."""
-    out = {f"layers.{l}.win_kv": win_kv}
+    window rows as stored (the codec's parts), positions L-n .. L-1. Entries are ``stored()``
+    results, remainders copies."""
+    out = part_names(f"layers.{l}.win_kv", win_kv)
     for name in ("cmp_kv", "idx_kv"):
         ent = getattr(layer, name)
         if ent is not None:
-            out[f"layers.{l}.{name}"] = ent.view()
+            out.update(part_names(f"layers.{l}.{name}", ent.stored()))
     for name in ("comp", "idx_comp"):
         comp = getattr(layer, name)
         if comp is None:
@@ -62,21 +67,32 @@ def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) ->
     return out
 
 
+def part_names(name: str, parts) -> dict[str, torch.Tensor]:
+    """A cache's stored parts under their transfer names: ``name``, then ``name.scale``."""
+    return {name if i == 0 else f"{name}.scale": p for i, p in enumerate(parts)}
+
+
 def expected_shapes(cache: "PagedCache", num_tokens: int, layers: Iterable[int] | None = None
                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) that ``state_tensors`` gives for L = ``num_tokens`` on this model."""
+    """Name -> (shape, dtype) that ``state_tensors`` gives for L = ``num_tokens`` on this model
+    (``cache``: anything with ``args``, ``geometry``, ``kv_codec`` and ``idx_codec``)."""
     a, L = cache.args, num_tokens
-    d, dI, kv = a.head_dim, a.index_head_dim, cache.dtype
+    d, dI = a.head_dim, a.index_head_dim
     out = {}
+
+    def rows(name: str, codec, n: int) -> None:
+        for i, shape_dtype in enumerate(codec.part_shapes(n)):
+            out[name if i == 0 else f"{name}.scale"] = shape_dtype
+
     for l in (range(cache.geometry.num_layers) if layers is None else layers):
-        out[f"layers.{l}.win_kv"] = ((min(L, a.sliding_window - 1), d), kv)
+        rows(f"layers.{l}.win_kv", cache.kv_codec, min(L, a.sliding_window - 1))
         m = a.compress_ratios[l]
         if not m:
             continue
-        out[f"layers.{l}.cmp_kv"] = ((L // m, d), kv)
+        rows(f"layers.{l}.cmp_kv", cache.kv_codec, L // m)
         comps = [("comp", d)] + ([("idx_comp", dI)] if m == CSA_RATIO else [])
         if m == CSA_RATIO:
-            out[f"layers.{l}.idx_kv"] = ((L // m, dI), kv)
+            rows(f"layers.{l}.idx_kv", cache.idx_codec, L // m)
         for name, w in comps:
             width = 2 * w if m == CSA_RATIO else w
             out[f"layers.{l}.{name}.kv"] = ((L % m, width), torch.float32)
@@ -90,7 +106,7 @@ def expected_shapes(cache: "PagedCache", num_tokens: int, layers: Iterable[int] 
 def check_state_tensors(cache, num_tokens: int, tensors: dict[str, torch.Tensor],
                         layers: Iterable[int] | None = None) -> list[int] | None:
     """Check ``tensors`` against ``expected_shapes`` for L = ``num_tokens`` (``cache``: anything
-    with ``args``, ``geometry`` and ``dtype``, e.g. a ``PagedCache``). Returns ``layers`` sorted
+    with ``args``, ``geometry``, ``kv_codec`` and ``idx_codec``, e.g. a ``PagedCache``). Returns ``layers`` sorted
     and deduplicated (None: all).
 
     Raises:
@@ -125,13 +141,13 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
     for l, layer in enumerate(st.layers):
         if layer is None:
             continue
-        win = tensors[f"layers.{l}.win_kv"]
-        pos = torch.arange(num_tokens - win.shape[0], num_tokens, device=layer.win_pool.device)
-        layer.win_pool[layer.ring_rows(pos)] = win.to(layer.win_pool.device)
+        win = _parts(tensors, f"layers.{l}.win_kv")
+        pos = torch.arange(num_tokens - win[0].shape[0], num_tokens, device=layer.win_pool.device)
+        layer.win_pool.scatter(layer.ring_rows(pos), win)
         for name in ("cmp_kv", "idx_kv"):
             ent = getattr(layer, name)
             if ent is not None:
-                ent.append(tensors[f"layers.{l}.{name}"].to(ent.pool.device))
+                ent.append_stored(_parts(tensors, f"layers.{l}.{name}"))
         for name in ("comp", "idx_comp"):
             comp = getattr(layer, name)
             if comp is None:
@@ -143,3 +159,6 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
                 comp.prev_kv.copy_(tensors[f"layers.{l}.{name}.prev_kv"])
                 comp.prev_score.copy_(tensors[f"layers.{l}.{name}.prev_score"])
 
+
+def _parts(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
+    return tuple(t for t in (tensors[name], tensors.get(f"{name}.scale")) if t is not None)

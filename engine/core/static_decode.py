@@ -25,6 +25,7 @@ from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
 from engine.model.transformer import Block, Transformer
 from engine.ops import reference
+from engine.ops.cache_codec import quant_query
 from engine.ops.packed import Packed, dequant
 from engine.platform import Platform, detect
 
@@ -164,7 +165,7 @@ class StaticDecoder:
                                c.trash_row[pool], x.dtype)
             if att.indexer is not None:
                 self._compress(att.indexer.compressor, x, positions, slots, c.idx_kv[i], c.idx_comp[i],
-                               tables["c4"], c.trash_row["c4"], c.idx_kv[i].dtype)
+                               tables["c4"], c.trash_row["c4"], c.idx_codec.dtype)
         with self._cores(CORES_MAIN):
             c_q = att.q_norm(att.wq_a(x))
             q = att.wq_b(c_q).view(B, att.n_heads, att.head_dim)
@@ -175,20 +176,20 @@ class StaticDecoder:
         self._join()
         # window ring: write this token, then read positions p-W+1 .. p (ring_len >= W)
         W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
-        win[slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0]] = kv
+        win.write(slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
         wpos = positions[:, None] - W + 1 + torch.arange(W, device=x.device)
-        wk = win[slot_mapping(tables["win"], bs, wpos % R)].float()                     # [B, W, d]
+        wk = win.read(slot_mapping(tables["win"], bs, wpos % R)).float()                 # [B, W, d]
         qf, scale = q.float(), att.head_dim ** -0.5
         scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill((wpos < 0)[:, None], float("-inf"))]
         ck = None
         if att.ratio == HCA_RATIO:                                               # dense causal entries
             N = self.widths["c128"] * bs
-            ck = c.cmp_kv[i][slot_mapping(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))].float()
+            ck = c.cmp_kv[i].read(slot_mapping(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))).float()
             seen = torch.arange(N, device=x.device)[None] < ((positions + 1) // HCA_RATIO)[:, None]
             scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
         elif att.ratio == CSA_RATIO:                                             # indexer's top-k entries
             topk = self._indexer_topk(i, att, iq, iw, positions, tables["c4"])
-            ck = c.cmp_kv[i][slot_mapping(tables["c4"], bs, topk.clamp_min(0))].float()   # [B, k, d]
+            ck = c.cmp_kv[i].read(slot_mapping(tables["c4"], bs, topk.clamp_min(0))).float()   # [B, k, d]
             s = torch.einsum("bhd,bkd->bhk", qf, ck).mul(scale)
             scores.append(s.masked_fill((topk < 0)[:, None], float("-inf")))
         sink = att.attn_sink.float().view(1, -1, 1).expand(B, -1, 1)
@@ -205,8 +206,9 @@ class StaticDecoder:
         """Lightning-indexer top-k (§3.5) over every entry the table can hold, masked to the causal ones."""
         c, bs, idx = self.cache, self.bs, att.indexer
         N = self.widths["c4"] * bs
-        keys = c.idx_kv[i][slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))].float()
-        s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", iq.float(), keys), iw, idx.head_dim ** -0.5)
+        keys = c.idx_kv[i].read(slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))).float()
+        q = quant_query(c.idx_codec, iq).float()
+        s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", q, keys), iw, idx.head_dim ** -0.5)
         allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
         return reference.topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
 
@@ -239,7 +241,7 @@ class StaticDecoder:
         # look up entry 0 instead, then send the write to the trash row
         shut = closing[:, 0, 0]
         rows = slot_mapping(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
-        pool[torch.where(shut, rows, torch.full_like(rows, trash))] = entry
+        pool.write(torch.where(shut, rows, torch.full_like(rows, trash)), entry)
 
     def _moe(self, moe: MoE, x, tokens):
         """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on."""

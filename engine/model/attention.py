@@ -12,6 +12,7 @@ from torch import nn
 from engine.config import CSA_RATIO, ModelArgs
 from engine.model.layers import Linear, RMSNorm, RotaryTable, param
 from engine.ops import Ops
+from engine.ops.cache_codec import quant_query
 from engine.ops.reference import num_new_entries
 from engine.model.state import CompressorState, LayerState
 
@@ -63,9 +64,11 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, start_pos: int,
                state: LayerState) -> torch.Tensor:
-        """One sequence: compress its indexer keys, then top-k entry ids ``[T, index_topk]`` (-1 = none)."""
-        state.idx_kv.append(self.compressor(x, start_pos, state.idx_comp, state.idx_kv.view().dtype))
-        return self.ops.indexer_topk(q, w, state.idx_kv.view(), positions, CSA_RATIO, self.topk,
+        """One sequence: compress its indexer keys, then top-k entry ids ``[T, index_topk]`` (-1 = none).
+        With a quantised key cache the queries are quantised alike (``quant_query``)."""
+        keys = state.idx_kv
+        keys.append(self.compressor(x, start_pos, state.idx_comp, keys.codec.dtype))
+        return self.ops.indexer_topk(quant_query(keys.codec, q), w, keys.view(), positions, CSA_RATIO, self.topk,
                                      self.head_dim ** -0.5)
 
 

@@ -16,31 +16,49 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache_dtype import CacheDtype
 from engine.config import CSA_RATIO, ModelArgs
+from engine.ops.cache_codec import CacheCodec, CacheRows, codecs_for
 
 
 class GrowBuffer:
-    """Append-only ``[N, D]`` tensor with amortised O(1) appends (capacity doubles)."""
+    """Append-only rows ``[N, dim]`` kept in a cache's stored format (``codec``; None: the rows
+    as given, in ``dtype``), with amortised O(1) appends (capacity doubles)."""
 
-    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 16):
-        self._data = torch.empty(capacity, dim, dtype=dtype, device=device)
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", capacity: int = 16,
+                 codec: CacheCodec | None = None):
+        self.codec = codec or CacheCodec("none", dim, dtype)
+        self._rows = CacheRows.zeros(self.codec, capacity, device)
         self.num_entries = 0
 
     def append(self, rows: torch.Tensor) -> None:
-        """Append ``rows [n, D]``."""
-        n = rows.shape[0]
+        """Append ``rows [n, dim]`` (encoded by the codec)."""
+        self._grow(rows.shape[0])
+        self._rows.write(slice(self.num_entries, self.num_entries + rows.shape[0]), rows)
+        self.num_entries += rows.shape[0]
+
+    def append_stored(self, parts) -> None:
+        """Append rows already in the stored format (the codec's parts ``[n, w_i]``)."""
+        n = parts[0].shape[0]
+        self._grow(n)
+        self._rows.scatter(slice(self.num_entries, self.num_entries + n), parts)
+        self.num_entries += n
+
+    def _grow(self, n: int) -> None:
         need = self.num_entries + n
-        if need > self._data.shape[0]:
-            cap = max(need, 2 * self._data.shape[0])
-            grown = torch.empty(cap, self._data.shape[1], dtype=self._data.dtype, device=self._data.device)
-            grown[: self.num_entries] = self._data[: self.num_entries]
-            self._data = grown
-        self._data[self.num_entries:need] = rows
-        self.num_entries = need
+        if need > self._rows.num_rows:
+            grown = CacheRows.zeros(self.codec, max(need, 2 * self._rows.num_rows), self._rows.device)
+            grown.scatter(slice(0, self.num_entries), self._rows.gather(slice(0, self.num_entries)))
+            self._rows = grown
 
     def view(self) -> torch.Tensor:
-        """The live entries ``[N, D]`` (a view, valid until the next append)."""
-        return self._data[: self.num_entries]
+        """The live entries ``[N, dim]`` in the compute dtype (unquantised: a view, valid until
+        the next append; quantised: decoded)."""
+        return self._rows.read(slice(0, self.num_entries))
+
+    def stored(self) -> tuple[torch.Tensor, ...]:
+        """The live entries as stored (the codec's parts, views)."""
+        return self._rows.gather(slice(0, self.num_entries))
 
 
 @dataclass
@@ -72,7 +90,7 @@ class CompressorState:
 class LayerState:
     """One layer's decode state; ``cmp_kv`` / ``idx_kv`` / compressor states per layer kind."""
 
-    win_kv: torch.Tensor                      # [W, d] ring
+    win_kv: CacheRows                         # [W] ring rows, read as [W, d]
     cmp_kv: GrowBuffer | None = None          # CSA / HCA
     comp: CompressorState | None = None
     idx_kv: GrowBuffer | None = None          # CSA
@@ -86,20 +104,21 @@ class LayerState:
         Returns:
             (``[n_hist + T, d]``, first position) with ``n_hist = min(start_pos, W-1)``.
         """
-        W = self.win_kv.shape[0]
+        W = self.win_kv.num_rows
         n_hist = min(start_pos, W - 1)
+        new_kv = self.win_kv.codec.round_trip(new_kv)       # what the ring will hold: read as stored
         if n_hist == 0:
             return new_kv, start_pos
         slots = torch.arange(start_pos - n_hist, start_pos, device=new_kv.device) % W
-        return torch.cat([self.win_kv[slots], new_kv]), start_pos - n_hist
+        return torch.cat([self.win_kv.read(slots), new_kv]), start_pos - n_hist
 
     def write_window(self, new_kv: torch.Tensor, start_pos: int) -> None:
         """Store the last ``min(T, W)`` rows of ``new_kv`` at slots ``p % W``."""
-        W = self.win_kv.shape[0]
+        W = self.win_kv.num_rows
         T = new_kv.shape[0]
         keep = min(T, W)
         pos = torch.arange(start_pos + T - keep, start_pos + T, device=new_kv.device)
-        self.win_kv[pos % W] = new_kv[T - keep:]
+        self.win_kv.write(pos % W, new_kv[T - keep:])
 
 
 @dataclass
@@ -112,20 +131,22 @@ class SequenceState:
 
     @classmethod
     def new(cls, args: ModelArgs, dtype: torch.dtype, device: torch.device | str = "cpu",
-            with_mtp: bool = False) -> "SequenceState":
-        """Empty state for ``args``; KV in ``dtype``, compressor remainders in fp32."""
-        layers = [_layer_state(args, args.compress_ratios[i], dtype, device) for i in range(args.num_hidden_layers)]
-        mtp = [_layer_state(args, 0, dtype, device) for _ in range(args.num_mtp_layers)] if with_mtp else []
+            with_mtp: bool = False, cache: CacheDtype | None = None) -> "SequenceState":
+        """Empty state for ``args``: KV and indexer keys in ``cache``'s formats (None: unquantised,
+        ``dtype``), read in ``dtype``; compressor remainders in fp32."""
+        codecs = codecs_for(cache or CacheDtype(), args.head_dim, args.qk_rope_head_dim, args.index_head_dim, dtype)
+        layers = [_layer_state(args, args.compress_ratios[i], codecs, device) for i in range(args.num_hidden_layers)]
+        mtp = [_layer_state(args, 0, codecs, device) for _ in range(args.num_mtp_layers)] if with_mtp else []
         return cls(layers=layers, mtp_layers=mtp)
 
 
-def _layer_state(args: ModelArgs, ratio: int, dtype, device) -> LayerState:
-    d = args.head_dim
-    st = LayerState(win_kv=torch.zeros(args.sliding_window, d, dtype=dtype, device=device))
+def _layer_state(args: ModelArgs, ratio: int, codecs: tuple[CacheCodec, CacheCodec], device) -> LayerState:
+    d, (kv, idx) = args.head_dim, codecs
+    st = LayerState(win_kv=CacheRows.zeros(kv, args.sliding_window, device))
     if ratio:
-        st.cmp_kv = GrowBuffer(d, dtype, device)
+        st.cmp_kv = GrowBuffer(d, kv.dtype, device, codec=kv)
         st.comp = CompressorState.new(ratio, d, overlap=ratio == CSA_RATIO, device=device)
     if ratio == CSA_RATIO:
-        st.idx_kv = GrowBuffer(args.index_head_dim, dtype, device)
+        st.idx_kv = GrowBuffer(args.index_head_dim, idx.dtype, device, codec=idx)
         st.idx_comp = CompressorState.new(4, args.index_head_dim, overlap=True, device=device)
     return st

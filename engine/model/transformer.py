@@ -131,9 +131,10 @@ class Transformer(nn.Module):
         """Window-only layers use the main rope; CSA / HCA the YaRN compress rope (§3.3 step 3)."""
         return self.rope_compress if ratio else self.rope_main
 
-    def new_state(self, with_mtp: bool = False) -> SequenceState:
-        """Empty per-request decode state matching this model."""
-        return SequenceState.new(self.args, self.dtype, self.embed.weight.device, with_mtp)
+    def new_state(self, with_mtp: bool = False, cache=None) -> SequenceState:
+        """Empty per-request decode state matching this model; ``cache``: the caches' storage
+        (``engine.cache_dtype.CacheDtype``; None: unquantised)."""
+        return SequenceState.new(self.args, self.dtype, self.embed.weight.device, with_mtp, cache)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, state: SequenceState) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine.ops.cache_codec import quant_query
 from engine.config import CSA_RATIO
 from engine.model.transformer import Block, Transformer
 from engine.ops.reference import num_new_entries
@@ -83,7 +84,7 @@ def _broadcast(tensors: list[torch.Tensor], src: int, group) -> None:
 
 def _state_tensors(ls) -> list[torch.Tensor]:
     """A layer state's window ring and compressor remainders (not the compressed lists)."""
-    out = [ls.win_kv]
+    out = list(ls.win_kv.parts)
     for c in (ls.comp, ls.idx_comp):
         if c is not None:
             out += [t for t in (c.kv, c.score, c.prev_kv, c.prev_score) if t is not None]
@@ -172,10 +173,11 @@ def _attention(model: Transformer, i: int, x: torch.Tensor, pos: torch.Tensor, p
         ch, width = plan.chunks, attn.head_dim + (fl.idx_kv.view().shape[1] if attn.indexer is not None else 0)
         local = torch.cat(new) if new else x.new_zeros(0, width)
         full = plan.gather_rows(local, lambda c: num_new_entries(ch[c][0], ch[c][1] - ch[c][0], attn.ratio), group)
-        cmp_kv, idx_kv = full[:, :attn.head_dim], full[:, attn.head_dim:]
-        fl.cmp_kv.append(cmp_kv)
+        fl.cmp_kv.append(full[:, :attn.head_dim])
+        cmp_kv = fl.cmp_kv.view()                    # as stored: what the other paths read
         if attn.indexer is not None:
-            fl.idx_kv.append(idx_kv)
+            fl.idx_kv.append(full[:, attn.head_dim:])
+            idx_kv = fl.idx_kv.view()
     # 5. indexer top-k and sparse attention per chunk, output projection
     o = torch.empty_like(q)
     for j, c, s, e, off in plan.own():
@@ -183,7 +185,8 @@ def _attention(model: Transformer, i: int, x: torch.Tensor, pos: torch.Tensor, p
         topk = None
         if attn.indexer is not None:
             ind = attn.indexer
-            topk = ops.indexer_topk(iq[sl], iw[sl], idx_kv, pos[sl], CSA_RATIO, ind.topk, ind.head_dim ** -0.5)
+            topk = ops.indexer_topk(quant_query(fl.idx_kv.codec, iq[sl]), iw[sl], idx_kv, pos[sl], CSA_RATIO,
+                                    ind.topk, ind.head_dim ** -0.5)
         o[sl] = ops.sparse_attn(q[sl], pos[sl], *wins[c], attn.window, cmp_kv, attn.ratio, topk, attn.attn_sink,
                                 attn.head_dim ** -0.5)
     return attn.out_proj(ops.rope(o, cos, -sin))                             # o_proj TP seam
@@ -202,7 +205,7 @@ def _block(model: Transformer, i: int, X: torch.Tensor, toks: torch.Tensor, pos:
 
 @torch.no_grad()
 def cp_prefill(model: Transformer, tokens: torch.Tensor, group=None,
-               gather_hidden: bool = True) -> tuple[torch.Tensor, SequenceState]:
+               gather_hidden: bool = True, cache=None) -> tuple[torch.Tensor, SequenceState]:
     """Every rank calls it with the same tokens [L] int64 (a whole prompt, from position 0).
     Returns on EVERY rank: hidden [L, H] (compute dtype; rows of every position, gathered) and the full
     decode state after L tokens (SequenceState: window ring, compressed KV, indexer keys, compressor
@@ -210,7 +213,8 @@ def cp_prefill(model: Transformer, tokens: torch.Tensor, group=None,
 
     ``group``: the CP group (None: the default group); every rank of it must call, even one whose
     chunks are empty (short prompts). ``gather_hidden=False`` returns only the last row ``[1, H]``
-    (what serving samples from). With ``model.parallel`` set (``engine.parallel.shard``) the
+    (what serving samples from). ``cache``: the caches' storage (``engine.cache_dtype.CacheDtype``;
+    None: unquantised), as the engine's pools keep it. With ``model.parallel`` set (``engine.parallel.shard``) the
     forward runs under ``model.parallel.rows("dp")``: each rank's own rows go through the EP MoE,
     the embedding-TP lookup and the o_proj-TP projection (the ``embed_tokens`` / ``out_proj`` seams).
     Source: reference/upstream-parallel-and-mtp.md "Parallel strategy".
@@ -232,8 +236,8 @@ def cp_prefill(model: Transformer, tokens: torch.Tensor, group=None,
     pos = torch.cat([torch.arange(s, e, device=tokens.device) for _, _, s, e, _ in own]
                     or [tokens.new_zeros(0)])
     toks = tokens[pos]
-    temps = {c: model.new_state() for _, c, *_ in own}
-    final = model.new_state()
+    temps = {c: model.new_state(cache=cache) for _, c, *_ in own}
+    final = model.new_state(cache=cache)
     ctx = model.parallel.rows("dp") if getattr(model, "parallel", None) is not None else nullcontext()
     with ctx:
         X = model.embed_tokens(toks).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()

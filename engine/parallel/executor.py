@@ -38,7 +38,8 @@ def cache_layout(engine) -> dict:
     for t in (m.norm.weight, m.layers[0].attn.wq_a.weight, m.layers[-1].ffn.gate.weight):
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return {"block_size": c.block_size, "max_seqs": c.max_seqs, "num_blocks": dict(sorted(c.num_blocks.items())),
-            "next_n": c.next_n, "dtype": str(m.dtype), "weights": h.hexdigest()[:16]}
+            "next_n": c.next_n, "dtype": str(m.dtype), "cache_dtype": c.cache_dtype.describe(),
+            "weights": h.hexdigest()[:16]}
 
 
 class RankExecutor(Executor):
@@ -64,7 +65,7 @@ class RankExecutor(Executor):
     def prefill_cp(self, seq_id, tokens: torch.Tensor) -> torch.Tensor:
         """Every rank: CP prefill of ``tokens`` ``[L]`` (a whole prompt), then the full state into
         this rank's pools for ``seq_id`` (already allocated). Returns the last hidden row ``[1, H]``."""
-        last, state = self.cp_prefill(self.model, tokens, gather_hidden=False)
+        last, state = self.cp_prefill(self.model, tokens, gather_hidden=False, cache=self.cache.cache_dtype)
         n = tokens.shape[0]
         load_state_tensors(self.cache, seq_id, n, sequence_state_tensors(state, n))
         return last
@@ -243,9 +244,9 @@ def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
     (what ``load_state_tensors`` writes into paged pools; reference §4)."""
     out = {}
     for l, layer in enumerate(st.layers):
-        W = layer.win_kv.shape[0]
+        W = layer.win_kv.num_rows
         n = min(num_tokens, W - 1)
-        win = layer.win_kv[torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W]
+        win = layer.win_kv.gather(torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W)
         out.update(layer_state_tensors(l, layer, win, num_tokens))
     return out
 

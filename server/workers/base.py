@@ -81,7 +81,8 @@ def state_fingerprint(engine: LLMEngine, weights: str | None = None) -> tuple[st
     "sha256:<hex>"; None: unknown, e.g. an engine built in-process from random weights).
     The layout names what the fingerprint covers, so a refusal (the handshake's, or the gateway's
     when it pairs instances: ``kvtransfer.compat``) says which part differs: ``kv_dtype`` (the
-    dtype the state tensors travel in), ``config`` (sha256 of config.json's keys, 16 hex),
+    compute dtype the state is read in), ``cache_dtype`` (how the KV and indexer caches are
+    stored and travel: ``engine.cache_dtype``), ``config`` (sha256 of config.json's keys, 16 hex),
     ``weights``; then the state's own format.
 
     ``parallel.state`` "whole": a request's state travels unsharded from the prefill leader to the
@@ -94,6 +95,7 @@ def state_fingerprint(engine: LLMEngine, weights: str | None = None) -> tuple[st
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()
     layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
               "parallel": {"state": "whole"}, "kv_dtype": str(engine.model.dtype).removeprefix("torch."),
+              "cache_dtype": engine.cache.cache_dtype.describe(),
               "config": hashlib.sha256(blob).hexdigest()[:16], "weights": weights}
     return model_fingerprint(config, engine.model.dtype, layout), layout
 

@@ -47,9 +47,7 @@ def test_batched_rows_equal_one_at_a_time(model):
         finally:
             model._batch_decode = True
         assert torch.equal(h, ref), step
-    pools = lambda c: [*c.win, *c.cmp_kv.values(), *c.idx_kv.values(),  # noqa: E731
-                       *(t for pair in [*c.comp.values(), *c.idx_comp.values()] for t in pair)]
-    for a, b in zip(pools(together), pools(alone)):
+    for a, b in zip(together.tensors(), alone.tensors()):
         assert torch.equal(a, b)
 
 
@@ -81,11 +79,11 @@ def test_a_row_past_its_blocks_fails_instead_of_writing_elsewhere(model):
     c = PagedCache(model.args, CacheConfig(16, 2, {"c4": 64, "c128": 8}), torch.float32)
     _prefill(model, c, [torch.randint(0, V, (600,)), torch.randint(0, V, (127,))])
     c.seqs[1].tables["c128"] = []                       # position 127 closes HCA entry 0: no block for it
-    before = [t.clone() for t in c.cmp_kv.values()]
+    before = [t.parts[0].clone() for t in c.cmp_kv.values()]
     with pytest.raises((IndexError, RuntimeError)):
         model.forward_batch(torch.tensor([5, 6]), [c.sequence_state(0, 600), c.sequence_state(1, 127)], [1, 1])
     hca = [l for l in c.cmp_kv if model.args.compress_ratios[l] == 128]
-    assert all(torch.equal(c.cmp_kv[l], before[list(c.cmp_kv).index(l)]) for l in hca)
+    assert all(torch.equal(c.cmp_kv[l].parts[0], before[list(c.cmp_kv).index(l)]) for l in hca)
 
 
 def test_the_model_imports_no_serving_code():

@@ -215,9 +215,7 @@ def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n):
     cache = PagedCache(args, cfg, torch.float32)
     cache.allocate("r", tokens)
     assert all(n == 0 for n in cache.num_free().values())        # the request holds every block
-    tensors = [*cache.win, *cache.cmp_kv.values(), *cache.idx_kv.values(),
-               *(t for pair in [*cache.comp.values(), *cache.idx_comp.values()] for t in pair)]
-    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
     lay = Layout(act_bytes=4, next_n=next_n)
     plan, (scratch, _) = state_per_request(args, lay, tokens), pool_overheads(args, lay)
     assert allocated == pool_bytes(args, torch.float32, cfg)

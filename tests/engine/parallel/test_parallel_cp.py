@@ -32,7 +32,7 @@ def _tokens(L: int) -> torch.Tensor:
 def _state_dict(state) -> dict[str, torch.Tensor]:
     out = {}
     for i, ls in enumerate(state.layers):
-        out[f"{i}.win_kv"] = ls.win_kv
+        out[f"{i}.win_kv"] = ls.win_kv.parts[0]
         for name in ("cmp_kv", "idx_kv"):
             if getattr(ls, name) is not None:
                 out[f"{i}.{name}"] = getattr(ls, name).view()
@@ -85,7 +85,7 @@ def _worker(rank, world, port, ckpt, refdir, outdir, combined):
     if world == 2 and not combined:              # bf16: 2-byte floats cross gloo as bytes
         ref = load_file(f"{refdir}/ref-bf16.safetensors")
         hidden, state = cp_prefill(load_model(ckpt, dtype=torch.bfloat16, progress=False), _tokens(LENGTHS[0]))
-        d = {"hidden": _diff(hidden, ref["hidden"]), "win_kv": _diff(state.layers[-1].win_kv, ref["win_kv"])}
+        d = {"hidden": _diff(hidden, ref["hidden"]), "win_kv": _diff(state.layers[-1].win_kv.parts[0], ref["win_kv"])}
         Path(f"{outdir}/diff-bf16-{rank}.json").write_text(json.dumps(d))
     dist.destroy_process_group()
 
@@ -110,7 +110,7 @@ def ref(tiny_ckpt, tmp_path_factory):
     bf16 = load_model(ckpt, dtype=torch.bfloat16, progress=False)
     state = bf16.new_state()
     hidden = bf16.forward(_tokens(LENGTHS[0]), state)
-    save_file({"hidden": hidden, "win_kv": state.layers[-1].win_kv}, str(d / "ref-bf16.safetensors"))
+    save_file({"hidden": hidden, "win_kv": state.layers[-1].win_kv.parts[0]}, str(d / "ref-bf16.safetensors"))
     return ckpt, str(d), model
 
 
