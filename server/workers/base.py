@@ -375,6 +375,7 @@ class Worker:
             return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
                     "device": str(self.engine.model.embed.weight.device),
                     "quantization": quantization_label(q),
+                    "cache_dtype": self.engine.cache.cache_dtype.describe(),
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
                                                      "warmup_s": round(r.warmup_s, 3)},

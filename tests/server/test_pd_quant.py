@@ -1,5 +1,6 @@
-"""A converted checkpoint (w4a8-mx-hif: HiF8 and MXFP8 linears kept as stored, MXFP4 experts)
-served by real ``launch-pd`` processes: streams carry the in-process engine's tokens."""
+"""A converted checkpoint (w4a8-mx-hif: HiF8 and MXFP8 linears kept as stored, MXFP4 experts,
+HiF8 KV and indexer caches) served by real ``launch-pd`` processes: streams carry the in-process
+engine's tokens, the quantised state crossing the P/D transfer as stored."""
 from __future__ import annotations
 
 import httpx
@@ -28,5 +29,6 @@ def test_pd_serves_a_converted_checkpoint_with_the_in_process_tokens(cluster, qu
     for name in ("prefill0", "decode0"):
         health = httpx.get(cluster.ready_urls[name].replace("/ready", "/health"), timeout=10).json()
         assert health["quantization"] == "w4a8-mx-hif"
+        assert health["cache_dtype"] == {"kv": "hif8", "indexer": "hif8"}       # auto: the scheme's HiF8 caches
     assert_completions_match(cluster, reference, [(100, 0.0, 0), (131, 0.8, 7), (260, 0.0, 0)], 10)
     wait_idle(cluster, ["prefill0", "decode0"])
