@@ -34,6 +34,9 @@ class Ops:
     gating_topk: Callable
     swiglu_clamp: Callable
     moe_experts: Callable
+    cache_write: Callable
+    cache_indexer_topk: Callable
+    cache_sparse_attn: Callable
 
     def with_overrides(self, **kernels: Callable) -> "Ops":
         """A copy with some ops replaced by platform kernels. Raises TypeError on an unknown name."""

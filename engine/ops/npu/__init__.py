@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Callable
 
 from engine.kernel_config import KERNEL_CONFIG_KEY, OP_NAMES, validate_kernel_config
 from engine.ops.npu.attention import sparse_attn
+from engine.ops.npu.cache_quant import cache_indexer_topk, cache_write
 from engine.ops.npu.dense import grouped_linear, quant_linear, rms_norm, rope
 from engine.ops.npu.runtime import api_available, load_custom_ops, log_fallback, log_reference_op
 from engine.ops.npu.mhc import hc_post, hc_pre
@@ -63,6 +64,8 @@ KERNELS: dict[str, Callable] = {
     "swiglu_clamp": swiglu_clamp,
     "moe_experts": moe_experts,
     "quant_linear": quant_linear,
+    "cache_write": cache_write,
+    "cache_indexer_topk": cache_indexer_topk,
 }
 
 # The runtime kernels each wrapper needs: "torch_npu.<name>" or "custom.<name>" (torch.ops.custom).
@@ -78,6 +81,11 @@ KERNEL_APIS: dict[str, tuple[str, ...]] = {
     "moe_experts": ("torch_npu.npu_moe_init_routing_v2", "torch_npu.npu_grouped_matmul",
                     "torch_npu.npu_moe_finalize_routing", "torch_npu.npu_dynamic_quant"),
     "quant_linear": ("torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"),
+    # any one of the epilogues serves its pool kind; the wrapper needs all three to be mapped
+    "cache_write": ("custom.kv_compress_epilog", "custom.indexer_compress_epilog", "custom.scatter_nd_update_asc",
+                    "torch_npu.npu_dynamic_quant"),
+    "cache_indexer_topk": ("custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
+                           "torch_npu.npu_dynamic_quant"),
 }
 
 NOT_MAPPED: dict[str, str] = {
@@ -100,6 +108,14 @@ NOT_MAPPED: dict[str, str] = {
                     "pre-rotation in the recipe); the seam takes unquantised q/keys, and the unquantised "
                     "npu_lightning_indexer (DeepSeek-V3.2) has no cmp_ratio and differs between builds "
                     "(selected_count vs sparse_count): signature unconfirmed for this contract",
+    "cache_sparse_attn": "FP8 KV: custom.npu_kv_quant_sparse_attn_sharedkv has a schema in [CRI] "
+                         "ops_def_registration.cpp (kv_quant_mode, tile_size, rope_head_dim) but no "
+                         "custom-*.md contract; the recipe fills its cache with "
+                         "cann_ops_transformer.kv_compress_epilog(quant_mode='fp8_bf16') and describes the "
+                         "row as nope fp8 | rope bf16 | 2-byte scales per 64, while the pools hold "
+                         "custom.kv_compress_epilog's rope | nope | 1-byte e8m0 row: which row it reads is "
+                         "unconfirmed. HiF8: cann_ops_transformer.quant_sparse_flash_mla is not documented in "
+                         "[CRI]. Unquantised pools go through sparse_attn",
 }
 
 

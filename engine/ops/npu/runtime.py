@@ -71,6 +71,11 @@ def torch_npu_module():
     return importlib.import_module("torch_npu")
 
 
+def custom_namespace():
+    """``torch.ops.custom`` (cann-recipes-infer's custom ops); reached only after a wrapper's checks passed."""
+    return torch.ops.custom
+
+
 def load_custom_ops() -> bool:
     """Import cann-recipes-infer's ``custom_ops`` (registers ``torch.ops.custom.*``). False if absent."""
     try:

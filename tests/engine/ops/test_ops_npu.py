@@ -19,6 +19,7 @@ import engine.ops.npu as npu
 import engine.ops.npu.runtime as npu_runtime
 import engine.ops.reference as R
 from engine.ops import IMPLS, OP_NAMES, REFERENCE, Ops, ops_for, validate_kernel_config
+from engine.ops.cache_codec import CacheCodec, CacheRows
 from engine.ops.packed import Packed
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -161,6 +162,9 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
     logits = rnd(T, 16, dtype=f32) * 3
     gw, gid = R.gating_topk(rnd(T, 4, dtype=f32), rnd(4, dtype=f32), None, 2, 1.5)     # 4 experts, k = 2
     pos = torch.arange(100, 130)
+    kv_rows = CacheRows.zeros(CacheCodec("fp8", 512, dt, rope_dim=64), 8, "cpu")
+    keys = CacheRows.zeros(CacheCodec("int8", 128, dt, indexer=True), 33, "cpu")
+    keys.write(torch.arange(32), rnd(32, 128))
     return {
         "rms_norm": (rnd(T, 3, 16), None, 1e-6),
         "rope": (rnd(T, 3, 16), ang.cos(), ang.sin()),
@@ -175,10 +179,15 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
         "moe_experts": (rnd(T, 16), gid, gw, rnd(4, 8, 16), rnd(4, 8, 16), rnd(4, 16, 8), 10.0),
         "quant_linear": (rnd(T, 32), Packed(torch.randint(-127, 128, (8, 32), generator=g, dtype=torch.int8),
                                             rnd(8, 1, dtype=f32).abs() * 0.01, "int8"), "int8-token"),
+        "cache_write": (kv_rows, torch.tensor([5, 1]), rnd(2, 512)),
+        "cache_indexer_topk": (rnd(30, 64, 128), rnd(30, 64, dtype=f32), keys, torch.tensor([1, 0]), 16, pos, 4, 8,
+                               0.1),
     }
 
 
 def _same(a, b) -> bool:
+    if a is None:                     # in-place ops (cache_write) return None
+        return b is None
     if isinstance(a, tuple):
         return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     return torch.equal(a, b)
