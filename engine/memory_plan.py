@@ -7,10 +7,14 @@ Device memory: the given size, else the platform's per rank (``DEVICE_GIB``), el
 What weights and workspace leave is for state; the plan counts how many requests of 8K / 128K /
 1M tokens (and ``max_model_len``) it holds after the pools' scratch part.
 
+Decode state is counted in the storage of the caches (``Layout.cache_dtype``: ``dsv4-plan`` resolves
+``scheduler_config.kv_cache_dtype`` against the checkpoint's cache schemes, ``engine.cache_dtype``).
+
 A layout fits when the state left holds the pools' minimum (``block_manager.plan_cache``: a window
 ring, a state slot and one block of each growing pool per request of the batch per DP rank, plus
 scratch), a request of ``scheduler_config.max_model_len`` when that is set, and world_size meets
-the published minimum of the platform (``config_checks.min_ranks``). Otherwise ``require_fit``
+the published minimum of the platform (``config_checks.min_ranks``), and the caches are ones the
+platform computes in (no FP8 / HiF8 caches on A2 / A3, reference §7). Otherwise ``require_fit``
 raises ``MemoryPlanError`` with the numbers and what would fit: more ranks, a converted type, a
 higher mem fraction, a smaller prefill chunk, a larger device.
 """
@@ -20,6 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from engine.cache_dtype import indexer_row_bytes, kv_row_bytes
 from engine.checkpoint.qscheme import compressed_tensors_config
 from engine.config import ConfigError, ModelArgs
 from engine.config_checks import MODEL_NAMES, RANKS_PER_CHIP, min_ranks
@@ -33,6 +38,7 @@ STATE_LENGTHS = (8192, 131072, 1048576)                 # 8K, 128K, 1M tokens
 DEVICE_GIB = {"A2": 64, "A3": 64, "950": 128}
 # converted types that suit each Ascend generation (reference §7): int on A2 / A3, MX / HiF8 on 950
 TYPES_FOR = {"A2": ("w8a8-int", "w4a8-int"), "A3": ("w8a8-int", "w4a8-int"), "950": ("w4a8-mx", "w4a8-mx-hif")}
+NO_FP8 = ("A2", "A3")          # Ascend generations without FP8 / HiF8 arithmetic (reference §7): C16 / LI-int8 only
 
 
 class MemoryPlanError(ValueError):
@@ -82,6 +88,8 @@ class MemoryPlan:
     min_state: int
     problems: tuple[str, ...] = ()
     suggestions: tuple[str, ...] = ()
+    cache_rows: tuple[int, int] = (0, 0)   # bytes of one KV row, of one indexer-key entry (as stored)
+    cache_source: str = ""                 # where layout.cache_dtype came from (dsv4-plan prints it)
 
     @property
     def budget(self) -> int:
@@ -108,16 +116,20 @@ class MemoryPlan:
         """JSON-ready: every number in bytes, plus the derived totals."""
         d = dataclasses.asdict(self)
         d["state"] = {str(t): {**parts, "total": sum(parts.values())} for t, parts in self.state.items()}
+        d["layout"]["cache_dtype"] = self.layout.cache_dtype.describe()
         d.update(budget=self.budget, resident=self.resident, workspace_total=sum(self.workspace.values()),
                  left=self.left, requests={str(t): self.requests(t) for t in self.state}, fits=self.fits)
         return d
 
 
 def plan_memory(args: ModelArgs, lay: Layout, device_bytes: int, device_source: str = "",
-                accelerator: bool | None = None, rank: int = 0, advise: bool = True) -> MemoryPlan:
+                accelerator: bool | None = None, rank: int = 0, advise: bool = True,
+                cache_source: str = "") -> MemoryPlan:
     """The plan of ``rank`` for ``args`` (config.json, converted type applied) laid out as ``lay``
-    on devices of ``device_bytes``. ``accelerator`` (None: ``lay.platform`` is set) adds the
-    runtime / HCCL reserve. ``advise``: when it does not fit, try other layouts for suggestions."""
+    (decode state in ``lay.cache_dtype``'s storage) on devices of ``device_bytes``. ``accelerator``
+    (None: ``lay.platform`` is set) adds the runtime / HCCL reserve. ``advise``: when it does not
+    fit, try other layouts for suggestions. ``cache_source``: a note on where the cache dtype came
+    from. Raises ConfigError when ``device_bytes`` < 1 MiB."""
     accel = lay.platform is not None if accelerator is None else accelerator
     lengths = sorted({*STATE_LENGTHS, *([lay.max_model_len] if lay.max_model_len else [])})
     scratch, minimum = pool_overheads(args, lay)
@@ -126,7 +138,10 @@ def plan_memory(args: ModelArgs, lay: Layout, device_bytes: int, device_source: 
                           f"(at least 1 MiB)")
     plan = MemoryPlan(model_name(args), type_name(args), lay, rank, device_bytes, device_source,
                       weight_bytes(args, lay, rank), workspace(args, lay, accel),
-                      {t: state_per_request(args, lay, t) for t in lengths}, scratch, minimum)
+                      {t: state_per_request(args, lay, t) for t in lengths}, scratch, minimum,
+                      cache_rows=(kv_row_bytes(lay.cache_dtype.kv, args.head_dim, args.qk_rope_head_dim, lay.act_bytes),
+                                  indexer_row_bytes(lay.cache_dtype.indexer, args.index_head_dim, lay.act_bytes)),
+                      cache_source=cache_source)
     problems = _problems(plan, args)
     if not problems:
         return plan
@@ -151,7 +166,16 @@ def _problems(plan: MemoryPlan, args: ModelArgs) -> list[str]:
     if need is not None and lay.world_size < need[1]:
         out.append(f"parallel_config.world_size {lay.world_size}: below the published minimum of "
                    f"{model_name(args)} on {lay.platform}, {need[0]} chips = {need[1]} ranks")
+    if _fp8_cache_on(lay):
+        c = lay.cache_dtype
+        key = plan.cache_source.split(":")[0] or "scheduler_config.kv_cache_dtype"
+        out.append(f"{key}: KV {c.kv} / indexer {c.indexer} caches need FP8 / HiF8, "
+                   f"which Ascend {lay.platform} lacks (950 only)")
     return out
+
+
+def _fp8_cache_on(lay: Layout) -> bool:
+    return lay.platform in NO_FP8 and bool({lay.cache_dtype.kv, lay.cache_dtype.indexer} & {"fp8", "hif8"})
 
 
 def _suggest(args: ModelArgs, base: MemoryPlan, accel: bool) -> list[str]:
@@ -159,6 +183,9 @@ def _suggest(args: ModelArgs, base: MemoryPlan, accel: bool) -> list[str]:
     is the problem, also a converted type, a higher mem fraction, a smaller prefill chunk, a
     larger device."""
     lay, dev = base.layout, base.device_bytes
+    if _fp8_cache_on(lay):                              # no other change lifts this one
+        return [f"scheduler_config.kv_cache_dtype int8 (bf16 KV, int8 indexer keys) or bfloat16 on {lay.platform}; "
+                "FP8 / HiF8 caches on a 950"]
 
     def fits(a: ModelArgs, lo: Layout) -> MemoryPlan | None:
         p = plan_memory(a, lo, dev, accelerator=accel, advise=False)

@@ -36,8 +36,11 @@ the weights it keeps, the workspace of a step, and the decode state of one reque
   compressed KV + indexer keys and HCA compressed KV in blocks of ``block_size`` entries, the fp32
   compressor-state slot (with next_n > 0 the ring and state keep the MTP groups), and with
   next_n > 0 the MTP layer's window ring (reference §4; the decode side holds it when it runs
-  MTP). KV in the compute dtype. The totals match reference/dsv4-architecture.md §4's bf16 rows up
-  to the block rounding (HCA's 64 entries at 8K take a whole 128-entry block).
+  MTP). KV rows and indexer-key entries are stored as ``Layout.cache_dtype`` says
+  (``engine.cache_dtype``: KV 1024 B bf16 / 640 B fp8 / 512 B HiF8 per row at head_dim 512,
+  indexer 256 B bf16 / 130 B int8 / 132 B fp8 / 128 B HiF8 per entry at index_head_dim 128).
+  The totals match reference/dsv4-architecture.md §4's rows (bf16, A3 default, 950 C8) up to
+  the block rounding (HCA's 64 entries at 8K take a whole 128-entry block).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from engine.cache_dtype import CacheDtype, indexer_row_bytes, kv_row_bytes, resolve
 from engine.checkpoint.layout import ITEMSIZE, TensorSpec, checkpoint_layout
 from engine.config import ModelArgs
 from engine.core.block_manager import GROWING, Geometry
@@ -77,19 +81,23 @@ class Layout:
     mem_fraction: float = 0.85
     max_model_len: int | None = None     # scheduler_config.max_model_len (None: not set)
     platform: str | None = None          # A2 | A3 | 950; None: no Ascend platform named (CPU)
+    cache_dtype: CacheDtype = CacheDtype()   # storage of the KV / indexer caches (engine.cache_dtype)
 
     @property
     def moe_ep_size(self) -> int:
         return self.world_size // self.moe_tp_size
 
     @classmethod
-    def of(cls, cfg) -> "Layout":
-        """From a ``engine.run_config.RunConfig``."""
+    def of(cls, cfg, cache_dtype: CacheDtype | None = None) -> "Layout":
+        """From a ``engine.run_config.RunConfig``; the caches' storage ``cache_dtype`` (None:
+        ``scheduler_config.kv_cache_dtype`` resolved with no checkpoint, where ``auto`` means
+        unquantised: pass ``cfg.cache_dtype_for(args)`` to read the checkpoint's cache schemes)."""
         p, s, m = cfg.parallel_config, cfg.scheduler_config, cfg.model_config
         return cls(p.world_size, p.moe_tp_size, p.shared_tp_size, p.o_proj_tp_size, p.embed_tp_size,
                    p.lmhead_tp_size, p.cp_size, m.next_n, ACT_BYTES[m.dtype], s.block_size,
                    cfg.batch_size_per_dp_rank, -(-cfg.effective_max_prefill_tokens // p.cp_size),
-                   m.custom_params.moe_chunk_max_len, s.mem_fraction_static, s.max_model_len, m.platform_version)
+                   m.custom_params.moe_chunk_max_len, s.mem_fraction_static, s.max_model_len, m.platform_version,
+                   resolve(s.kv_cache_dtype, None) if cache_dtype is None else cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -210,27 +218,30 @@ def workspace(args: ModelArgs, lay: Layout, accelerator: bool) -> dict[str, int]
 
 
 def state_per_request(args: ModelArgs, lay: Layout, tokens: int) -> dict[str, int]:
-    """Bytes one request of ``tokens`` processed tokens holds, by part (the module docstring)."""
-    g = Geometry.of(args, lay.block_size, lay.next_n)
-    kv, bs = lay.act_bytes, lay.block_size
-    c4 = g.blocks_needed("c4", tokens) * bs * kv * len(g.csa_layers)
+    """Bytes one request of ``tokens`` processed tokens holds, by part (the module docstring):
+    KV and indexer rows as ``lay.cache_dtype`` stores them, the compressor state fp32."""
+    g = Geometry.of(args, lay.block_size, lay.next_n, lay.cache_dtype)
+    kv = kv_row_bytes(lay.cache_dtype.kv, args.head_dim, args.qk_rope_head_dim, lay.act_bytes)
+    idx = indexer_row_bytes(lay.cache_dtype.indexer, args.index_head_dim, lay.act_bytes)
+    c4 = g.blocks_needed("c4", tokens) * lay.block_size * len(g.csa_layers)      # CSA entries, all layers
     return {
-        "window": g.blocks_needed("win", 0) * g.bytes_per_block("win", kv),
-        "csa_kv": c4 * args.head_dim,
-        "indexer": c4 * args.index_head_dim,
-        "hca_kv": g.blocks_needed("c128", tokens) * g.bytes_per_block("c128", kv),
+        "window": g.blocks_needed("win", 0) * g.bytes_per_block("win", lay.act_bytes),
+        "csa_kv": c4 * kv,
+        "indexer": c4 * idx,
+        "hca_kv": g.blocks_needed("c128", tokens) * g.bytes_per_block("c128", lay.act_bytes),
         "compressor_state": g.state_bytes(),
-        "mtp_window": args.num_mtp_layers * g.ring_len * args.head_dim * kv if lay.next_n else 0,
+        "mtp_window": args.num_mtp_layers * g.ring_len * kv if lay.next_n else 0,
     }
 
 
 def pool_overheads(args: ModelArgs, lay: Layout) -> tuple[int, int]:
-    """(scratch, minimum): the pools' part no request holds (a window ring, a state slot, one
-    trash row per entry pool), and the least state the engine starts with (``plan_cache``'s fixed
-    part: a request of one block of each growing pool per batch slot, plus the scratch)."""
-    g = Geometry.of(args, lay.block_size, lay.next_n)
-    kv = lay.act_bytes
-    ring = g.blocks_needed("win", 0) * g.bytes_per_block("win", kv) + g.state_bytes()
-    scratch = ring + sum(g.bytes_per_block(p, kv) // lay.block_size for p in GROWING)
-    one = ring + sum(g.bytes_per_block(p, kv) for p in GROWING) + state_per_request(args, lay, 0)["mtp_window"]
+    """(scratch, minimum) bytes: the pools' part no request holds (a window ring, a state slot,
+    one trash row per entry pool), and the least state the engine starts with (``plan_cache``'s
+    fixed part: a request of one block of each growing pool per batch slot, plus the scratch);
+    rows stored as ``lay.cache_dtype`` says."""
+    g = Geometry.of(args, lay.block_size, lay.next_n, lay.cache_dtype)
+    a = lay.act_bytes
+    ring = g.blocks_needed("win", 0) * g.bytes_per_block("win", a) + g.state_bytes()
+    scratch = ring + sum(g.bytes_per_block(p, a) // lay.block_size for p in GROWING)
+    one = ring + sum(g.bytes_per_block(p, a) for p in GROWING) + state_per_request(args, lay, 0)["mtp_window"]
     return scratch, scratch + lay.batch_per_rank * one

@@ -1,12 +1,15 @@
 """``dsv4-plan``: the per-rank memory plan of a run config (``engine.memory_plan``), before anything loads.
 
-    dsv4-plan --config YAML [--model DIR] [--quant-type T] [--device-memory-gib N] [--json]
+    dsv4-plan --config YAML [--model DIR] [--quant-type T] [--kv-cache-dtype D] [--device-memory-gib N] [--json]
 
 Prints, for rank 0 (it holds the most: the first vocab slices), the weights by component (the whole
 checkpoint, the stored slices the rank reads, what it holds), the workspace, the decode state of
 one request of 8K / 128K / 1M tokens, how many of each fit, and the verdict. The config.json is the
 checkpoint's (``--model`` or ``model_config.model_path``), else ``model_config.plan_config`` (a
 shipped real one); ``--quant-type`` / ``model_config.quant_type`` plans it as that converted type.
+Decode state is counted in the caches' storage: ``--kv-cache-dtype``, else
+``scheduler_config.kv_cache_dtype``, resolved against that config.json (``auto``: its
+``kv_cache_scheme`` / ``li_cache_scheme``; ``engine.cache_dtype.resolve``); the plan prints which.
 Device memory: ``--device-memory-gib``, else the platform's (``model_config.platform_version``),
 else ``scheduler_config.cpu_memory_gb``. Exit status 0: it fits; 2: it does not (the message names
 what to change) or a bad flag / config value.
@@ -19,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from engine.cache_dtype import KEY as CACHE_KEY, SETTINGS as CACHE_SETTINGS, CacheDtype, resolve
 from engine.checkpoint.qscheme import QUANT_TYPES
 from engine.config import ConfigError, ModelArgs
 from engine.memory_plan import (DEVICE_GIB, MemoryPlan, MemoryPlanError, plan_memory, require_fit, type_name,
@@ -76,15 +80,35 @@ def device_memory(cfg, gib: float | None = None) -> tuple[int, str, bool]:
     return cfg.scheduler_config.cpu_memory_bytes, "scheduler_config.cpu_memory_gb, CPU", False
 
 
+def cache_dtype(cfg, args: ModelArgs, setting: str | None = None) -> tuple[CacheDtype, str]:
+    """(the decode-state caches' storage, where it comes from): ``setting`` (--kv-cache-dtype),
+    else ``scheduler_config.kv_cache_dtype``, resolved against ``args``' quantization_config.
+    Raises ConfigError naming the flag or key."""
+    if setting is None:
+        setting, key, cache = cfg.scheduler_config.kv_cache_dtype, CACHE_KEY, cfg.cache_dtype_for(args)
+    else:
+        key = "--kv-cache-dtype"
+        try:
+            cache = resolve(setting, args.quant and args.quant.compressed)
+        except ValueError as e:
+            raise ConfigError(f"--kv-cache-dtype {setting}: {e}") from None
+    return cache, f"{key} {setting}" + (": the checkpoint's kv_cache_scheme / li_cache_scheme" if setting == "auto"
+                                        else "")
+
+
 def plan_run(cfg, model: str | None = None, quant_type: str | None = None, device_bytes: int | None = None,
-             device_source: str = "", accelerator: bool | None = None) -> tuple[MemoryPlan, str]:
+             device_source: str = "", accelerator: bool | None = None, kv_cache_dtype: str | None = None
+             ) -> tuple[MemoryPlan, str]:
     """(the plan of ``cfg``'s rank 0, the config.json line of ``plan_args``); device memory from
-    ``device_memory`` unless ``device_bytes`` is given (launch-pd: the device's own). Raises
-    ConfigError naming the flag or key; the plan may not fit (``require_fit``)."""
+    ``device_memory`` unless ``device_bytes`` is given (launch-pd: the device's own); caches as
+    ``cache_dtype`` resolves ``kv_cache_dtype`` (None: the run config's). Raises ConfigError
+    naming the flag or key; the plan may not fit (``require_fit``)."""
     args, source = plan_args(cfg, model, quant_type)
+    cache, cache_source = cache_dtype(cfg, args, kv_cache_dtype)
     if device_bytes is None:
         device_bytes, device_source, accelerator = device_memory(cfg)
-    return plan_memory(args, Layout.of(cfg), device_bytes, device_source, accelerator), source
+    return plan_memory(args, Layout.of(cfg, cache), device_bytes, device_source, accelerator,
+                       cache_source=cache_source), source
 
 
 def _gib(n: int) -> str:
@@ -102,7 +126,7 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
     if source:
         out.append(f"config.json: {source}")
     out += [f"device: {plan.device_bytes / GIB:g} GiB ({plan.device_source}) x mem_fraction_static "
-            f"{lay.mem_fraction:g} = {plan.budget / GIB:.2f} GiB", "",
+            f"{lay.mem_fraction:g} = {plan.budget / GIB:.2f} GiB", cache_line(plan), "",
             f"{'weights (GiB)':24}{'checkpoint':>10} {'rank reads':>10} {'resident':>10}"]
     for comp, row in plan.weights.items():
         out.append(f"  {comp:22}{_gib(row.checkpoint)} {_gib(row.read)} {_gib(row.resident)}")
@@ -125,6 +149,16 @@ def format_plan(plan: MemoryPlan, source: str = "") -> str:
     return "\n".join(out)
 
 
+def cache_line(plan: MemoryPlan) -> str:
+    """Which storage the decode-state caches are counted in, bytes per row, and why."""
+    c, (kv, idx) = plan.layout.cache_dtype, plan.cache_rows
+
+    def name(kind: str) -> str:
+        return "unquantised" if kind == "none" else kind
+    return (f"decode-state caches: KV {name(c.kv)} ({kv} B/row), indexer keys {name(c.indexer)} ({idx} B/entry)"
+            + (f" ({plan.cache_source})" if plan.cache_source else ""))
+
+
 def _tokens(t: int) -> str:
     return f"{t >> 20}M" if t % (1 << 20) == 0 else (f"{t >> 10}K" if t % 1024 == 0 else str(t))
 
@@ -137,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                                    "else model_config.plan_config)")
     p.add_argument("--quant-type", choices=QUANT_TYPES, help="plan the checkpoint as this converted type "
                    "(dsv4-convert-model --quant-type; default model_config.quant_type)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", *CACHE_SETTINGS), help="plan the decode-state caches "
+                   "in this storage (default scheduler_config.kv_cache_dtype; auto: the checkpoint's cache schemes)")
     p.add_argument("--device-memory-gib", type=float, help="memory of one rank's device, GiB (default: the "
                    "platform's: A2 / A3 die 64, 950 128; CPU: scheduler_config.cpu_memory_gb)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
@@ -146,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = RunConfig.from_yaml(a.config)
         dev = device_memory(cfg, a.device_memory_gib)
-        plan, source = plan_run(cfg, a.model, a.quant_type, *dev)
+        plan, source = plan_run(cfg, a.model, a.quant_type, *dev, kv_cache_dtype=a.kv_cache_dtype)
     except ConfigError as e:
         print(f"dsv4-plan: error: {e}", file=sys.stderr)
         return 2

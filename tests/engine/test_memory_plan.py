@@ -52,7 +52,9 @@ def test_flash_a3_16_rank_w8a8_leaves_20_gb_per_rank_for_state():
     assert ws["logits"] == 2 * 16 * 2 * 129280 * 4                             # 16 rows / rank x (1 + next_n)
     assert ws["reserve"] == GIB + 2 * 200 * MIB * 2                            # groups: world (moe), lmhead
     assert plan.left >= 20e9 and plan.left / GIB == pytest.approx(21.67, abs=0.01)
-    assert [plan.requests(t) for t in (8192, 131072, 1 << 20)] == [250, 24, 3]
+    # auto: the w8a8-int checkpoint's cache schemes, A3's default (bf16 KV, int8 indexer keys)
+    assert plan.layout.cache_dtype == ("none", "int8") and plan.cache_rows == (1024, 130)
+    assert [plan.requests(t) for t in (8192, 131072, 1 << 20)] == [265, 27, 3]
 
 
 def test_pro_950_16_rank_fits():
@@ -63,7 +65,8 @@ def test_pro_950_16_rank_fits():
     per_expert = 2 * (3072 * 7168 // 2 + 3072 * 7168 // 32) + (7168 * 3072 // 2 + 7168 * 3072 // 32)
     assert w["routed_experts"].resident == 61 * 24 * per_expert
     assert plan.resident / GIB == pytest.approx(76.48, abs=0.01)
-    assert plan.left / GIB == pytest.approx(24.49, abs=0.01) and plan.requests(131072) == 19
+    assert plan.layout.cache_dtype == ("fp8", "fp8") and plan.cache_rows == (640, 132)      # w4a8-mx: 950 C8
+    assert plan.left / GIB == pytest.approx(24.49, abs=0.01) and plan.requests(131072) == 31
 
 
 @pytest.mark.parametrize("yaml", ["configs/deepseek-v4-flash-a3-prefill.yaml", "configs/deepseek-v4-flash-a3-decode.yaml"])
@@ -117,24 +120,44 @@ def test_a_converted_type_is_suggested_when_it_would_fit():
 
 
 # ---- decode state per request ------------------------------------------------------------------
-# reference/dsv4-architecture.md §4, bf16 KV / bf16 indexer keys, MiB: window, CSA, HCA, indexer,
-# compressor state, total (the totals include 0.13 MiB of MTP window, which next_n 0 does not hold)
-REF_STATE = {(FLASH, 8192): (5.38, 42.0, 1.25, 10.5, 11.64, 70.9), (FLASH, 131072): (5.38, 672, 20.0, 168, 11.64, 877),
-             (PRO, 8192): (7.63, 60.0, 1.94, 15.0, 17.84, 102.5), (PRO, 131072): (7.63, 960, 31.0, 240, 17.84, 1257)}
+# reference/dsv4-architecture.md §4's totals table, MiB: window, CSA, HCA, indexer, compressor
+# state, MTP window, total (next_n 0 holds no MTP window: the plan's total is the table's less it)
+BF16, A3, C8 = ("none", "none"), ("none", "int8"), ("fp8", "fp8")
+REF_STATE = {(FLASH, 8192, BF16): (5.38, 42.0, 1.25, 10.5, 11.64, 0.13, 70.9),
+             (FLASH, 8192, A3): (5.38, 42.0, 1.25, 5.33, 11.64, 0.13, 65.7),
+             (FLASH, 8192, C8): (3.36, 26.3, 0.78, 5.41, 11.64, 0.08, 47.5),
+             (FLASH, 131072, BF16): (5.38, 672, 20.0, 168, 11.64, 0.13, 877),
+             (FLASH, 131072, A3): (5.38, 672, 20.0, 85.3, 11.64, 0.13, 794),
+             (FLASH, 131072, C8): (3.36, 420, 12.5, 86.6, 11.64, 0.08, 534),
+             (PRO, 8192, BF16): (7.63, 60.0, 1.94, 15.0, 17.84, 0.13, 102.5),
+             (PRO, 131072, BF16): (7.63, 960, 31.0, 240, 17.84, 0.13, 1257),
+             (PRO, 131072, C8): (4.77, 600, 19.4, 123.8, 17.84, 0.08, 766)}
+# §4's per-row storage: KV bf16 1024 B / 950 fp8 640 B; indexer bf16 256 B, A3 int8 + fp16 scale 130 B,
+# 950 fp8 + fp32 scale 132 B
+KV_ROW, IDX_ROW = {"none": 1024, "fp8": 640}, {"none": 256, "int8": 130, "fp8": 132}
 
 
-@pytest.mark.parametrize("path, tokens", list(REF_STATE))
-def test_state_per_request_matches_reference_section_4(path, tokens):
+@pytest.mark.parametrize("path, tokens, cache", list(REF_STATE))
+def test_state_per_request_matches_reference_section_4(path, tokens, cache):
+    """Each part from §4's definitions (whole 128-entry blocks: 8K tokens = 64 HCA entries take
+    one block), and the total within the table's rounding of it."""
+    from engine.cache_dtype import CacheDtype
     from engine.memory_sizes import Layout, state_per_request
-    s = {k: v / MIB for k, v in state_per_request(ModelArgs.from_json(path), Layout(), tokens).items()}
-    win, csa, hca, idx, comp, total = REF_STATE[(path, tokens)]
-    assert (s["window"], s["csa_kv"], s["indexer"], s["compressor_state"]) == \
-        pytest.approx((win, csa, idx, comp), abs=0.01)
-    # HCA entries go in whole 128-entry blocks: 8K tokens = 64 entries take one block
-    blocks = math.ceil(tokens // 128 / 128)
-    assert s["hca_kv"] == pytest.approx(hca * blocks * 128 / (tokens // 128), abs=0.01)
-    assert s["mtp_window"] == 0
-    assert sum(s.values()) == pytest.approx(total - 0.13 + s["hca_kv"] - hca, abs=0.5)
+    args = ModelArgs.from_json(path)
+    n_csa, n_hca = (sum(r == m for r in args.compress_ratios[:args.num_hidden_layers]) for m in (4, 128))
+    kv, idx, L = KV_ROW[cache[0]], IDX_ROW[cache[1]], tokens
+    s = state_per_request(args, Layout(cache_dtype=CacheDtype(*cache)), tokens)
+    hca_entries = math.ceil(L // 128 / 128) * 128
+    assert s == {"window": args.num_hidden_layers * 128 * kv, "csa_kv": L // 4 * kv * n_csa,
+                 "indexer": L // 4 * idx * n_csa, "hca_kv": hca_entries * kv * n_hca,
+                 "compressor_state": n_csa * (64 + 16) * 1024 + n_hca * 512 * 1024, "mtp_window": 0}
+    win, csa, hca, ind, comp, mtp, total = REF_STATE[(path, tokens, cache)]
+    mib = {k: v / MIB for k, v in s.items()}
+    assert (mib["window"], mib["csa_kv"], mib["indexer"], mib["compressor_state"]) == \
+        pytest.approx((win, csa, ind, comp), rel=0.002, abs=0.01)
+    assert mib["hca_kv"] == pytest.approx(hca * hca_entries / (L // 128), rel=0.005)
+    # the table's totals are rounded to 0.1 MiB (8K) or 1 MiB (128K)
+    assert sum(mib.values()) - (mib["hca_kv"] - hca) == pytest.approx(total - mtp, abs=0.05 if total < 200 else 0.5)
 
 
 # ---- against the tiny checkpoint's shard files and the engine's pools ---------------------------
@@ -199,26 +222,30 @@ def test_the_lm_heads_last_slice_is_padded_to_ceil_v_over_s(ckpt):
 
 @pytest.mark.parametrize("next_n", [0, 1])
 @pytest.mark.parametrize("tokens", [1, 200, 4096, 5000])
-def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n):
-    """A PagedCache holding exactly one request of ``tokens`` tokens: its tensors' bytes minus
-    the scratch part are the plan's per-request state (the MTP window ring aside: the engine
-    does not hold one until it runs MTP)."""
+@pytest.mark.parametrize("dtype, cache", [("float32", BF16), ("bfloat16", BF16), ("bfloat16", A3),
+                                          ("bfloat16", C8), ("float32", C8), ("bfloat16", ("hif8", "hif8"))])
+def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dtype, cache):
+    """A PagedCache holding exactly one request of ``tokens`` tokens, caches stored as ``cache``:
+    its tensors' bytes are ``pool_bytes`` and, minus the scratch part, the plan's per-request
+    state (the MTP window ring aside: the engine does not hold one until it runs MTP)."""
     import torch
 
+    from engine.cache_dtype import CacheDtype
     from engine.checkpoint.make_tiny import PRESETS
     from engine.core.block_manager import CacheConfig, Geometry, pool_bytes
     from engine.core.kv_cache import PagedCache
     from engine.memory_sizes import Layout, pool_overheads, state_per_request
-    args = ModelArgs.from_dict(PRESETS["flash"])
+    args, dt, cd = ModelArgs.from_dict(PRESETS["flash"]), getattr(torch, dtype), CacheDtype(*cache)
     g = Geometry.of(args, 128, next_n)
-    cfg = CacheConfig(128, 1, {"c4": g.blocks_needed("c4", tokens), "c128": g.blocks_needed("c128", tokens)}, next_n)
-    cache = PagedCache(args, cfg, torch.float32)
-    cache.allocate("r", tokens)
-    assert all(n == 0 for n in cache.num_free().values())        # the request holds every block
-    allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
-    lay = Layout(act_bytes=4, next_n=next_n)
+    cfg = CacheConfig(128, 1, {"c4": g.blocks_needed("c4", tokens), "c128": g.blocks_needed("c128", tokens)}, next_n,
+                      cd)
+    cache_ = PagedCache(args, cfg, dt)
+    cache_.allocate("r", tokens)
+    assert all(n == 0 for n in cache_.num_free().values())        # the request holds every block
+    allocated = sum(t.numel() * t.element_size() for t in cache_.tensors())
+    lay = Layout(act_bytes=dt.itemsize, next_n=next_n, cache_dtype=cd)
     plan, (scratch, _) = state_per_request(args, lay, tokens), pool_overheads(args, lay)
-    assert allocated == pool_bytes(args, torch.float32, cfg)
+    assert allocated == pool_bytes(args, dt, cfg)
     assert allocated - scratch == sum(plan.values()) - plan["mtp_window"]
     assert (plan["mtp_window"] > 0) == (next_n > 0)
 
@@ -264,7 +291,8 @@ def test_dsv4_plan_json_quant_type_and_refusal(capsys):
     assert main(["--config", flash16, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["fits"] and d["left"] == d["budget"] - d["resident"] - d["workspace_total"] and d["left"] >= 20e9
-    assert d["state"]["131072"]["total"] / MIB == pytest.approx(893.46, abs=0.01)
+    assert d["state"]["131072"]["total"] / MIB == pytest.approx(810.77, abs=0.01)     # bf16 KV, int8 indexer
+    assert d["layout"]["cache_dtype"] == {"kv": "none", "indexer": "int8"} and d["cache_rows"] == [1024, 130]
     assert main(["--config", flash16, "--quant-type", "w4a8-int", "--json"]) == 0
     d4 = json.loads(capsys.readouterr().out)
     assert d4["quant_type"] == "w4a8-int" and d4["resident"] < d["resident"] - 7 * GIB    # int4 experts: half
@@ -280,14 +308,36 @@ def test_dsv4_plan_json_quant_type_and_refusal(capsys):
     assert "--model: no config.json in '/nonexistent'" in capsys.readouterr().err
 
 
+def test_dsv4_plan_resolves_the_cache_dtype_prints_it_and_takes_an_override(capsys):
+    import json
+
+    from engine.tools.plan import main
+    flash16, pro950 = REAL_YAMLS[2], REAL_YAMLS[3]
+    assert main(["--config", flash16]) == 0
+    assert "decode-state caches: KV unquantised (1024 B/row), indexer keys int8 (130 B/entry) (scheduler_config." \
+           "kv_cache_dtype auto: the checkpoint's kv_cache_scheme / li_cache_scheme)" in capsys.readouterr().out
+    assert main(["--config", flash16, "--kv-cache-dtype", "bfloat16", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["state"]["131072"]["total"] / MIB == pytest.approx(893.46, abs=0.01)     # bf16 indexer keys
+    assert d["cache_source"] == "--kv-cache-dtype bfloat16"
+    assert main(["--config", pro950, "--kv-cache-dtype", "hif8"]) == 0
+    assert "decode-state caches: KV hif8 (512 B/row), indexer keys hif8 (128 B/entry) (--kv-cache-dtype hif8)" \
+        in capsys.readouterr().out
+    assert main(["--config", flash16, "--kv-cache-dtype", "fp8"]) == 2        # A3 has no FP8: refused, named
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype fp8: KV fp8 / indexer fp8 caches need FP8 / HiF8, which Ascend A3 lacks (950 only)" \
+        in err and "Change: scheduler_config.kv_cache_dtype int8 (bf16 KV, int8 indexer keys) or bfloat16" in err
+
+
 def test_dsv4_plan_on_the_tiny_checkpoint_and_bad_input(ckpt, capsys):
     from engine.tools.plan import main
     assert main(["--config", "configs/tiny-flash.yaml", "--model", ckpt]) == 0       # CPU: cpu_memory_gb 1
     out = capsys.readouterr().out
     assert "on CPU" in out and "device: 1 GiB (scheduler_config.cpu_memory_gb, CPU)" in out
+    assert "decode-state caches: KV unquantised" in out            # original FP8 checkpoint: no cache scheme
     assert main(["--config", "configs/tiny-flash.yaml", "--model", "/nonexistent"]) == 2
     assert "--model: no config.json in '/nonexistent'; point it at a checkpoint" in capsys.readouterr().err
-    for bad in (["--quant-type", "w8a8"], ["--device-memory-gib", "0"]):
+    for bad in (["--quant-type", "w8a8"], ["--device-memory-gib", "0"], ["--kv-cache-dtype", "fp16"]):
         with pytest.raises(SystemExit) as e:
             main(["--config", REAL_YAMLS[0], *bad])
         assert e.value.code == 2
