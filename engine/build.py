@@ -69,11 +69,11 @@ def check_platform_version(cfg: RunConfig, found: str | None) -> None:
 
 
 def check_cache_platform(cache: CacheDtype, version: str | None) -> None:
-    """A3 has no FP8 / HiF8 arithmetic: its caches are bf16 KV with a bf16 or int8 indexer
+    """A2 / A3 have no FP8 / HiF8 arithmetic: their caches are bf16 KV with a bf16 or int8 indexer
     (reference §7). Raises ConfigError naming ``scheduler_config.kv_cache_dtype``."""
-    if version == "A3" and {cache.kv, cache.indexer} & {"fp8", "hif8"}:
+    if version in ("A2", "A3") and {cache.kv, cache.indexer} & {"fp8", "hif8"}:
         raise ConfigError(f"scheduler_config.kv_cache_dtype: {cache.describe()} needs FP8 / HiF8 caches, which "
-                          "Ascend A3 lacks (950 only); use int8 (int8 indexer, bf16 KV) or bfloat16")
+                          f"Ascend {version} lacks (950 only); use int8 (int8 indexer, bf16 KV) or bfloat16")
 
 
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import engine.ops.reference as R
 from engine.config import CSA_RATIO
 from engine.ops import REFERENCE
+from engine.ops.cache_codec import quant_query
 
 TIE_REL = 1e-5
 
@@ -48,7 +49,8 @@ class TieGuard:
     def __init__(self, args):
         self.n_csa = sum(r == CSA_RATIO for r in args.compress_ratios[: args.num_hidden_layers])
         self.n_routed = args.num_hidden_layers - args.num_hash_layers
-        self.ops = REFERENCE.with_overrides(indexer_topk=self.indexer_topk, gating_topk=self.gating_topk)
+        self.ops = REFERENCE.with_overrides(indexer_topk=self.indexer_topk, cache_indexer_topk=self.cache_indexer_topk,
+                                            gating_topk=self.gating_topk)
         self.reset()
 
     def reset(self):
@@ -63,6 +65,13 @@ class TieGuard:
             out[t0:t1] = R.topk_low_index(s, allowed, topk)
             self._record(self.index, slot, positions[t0:t1], out[t0:t1], s, allowed.sum(-1), topk)
         return out
+
+    def cache_indexer_topk(self, q, weights, keys, block_table, block_size, positions, ratio, topk, scale):
+        """``reference.cache_indexer_topk`` through the guarded ``indexer_topk``."""
+        n = int(positions[-1] + 1) // ratio if q.shape[0] else 0
+        idx = torch.arange(n)
+        rows = block_table[idx // block_size] * block_size + idx % block_size
+        return self.indexer_topk(quant_query(keys.codec, q), weights, keys.read(rows), positions, ratio, topk, scale)
 
     def gating_topk(self, logits, bias, hash_ids, k, routed_scaling):
         w, ids = R.gating_topk(logits, bias, hash_ids, k, routed_scaling)

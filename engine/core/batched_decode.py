@@ -142,7 +142,7 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
     e = dec.positions[c] // m
     cos, sin = comp.rope.cos_sin(e * m)
     out = reference.rope(reference.rms_norm(pooled, comp.norm.weight, comp.norm.eps), cos, sin).to(out_dtype)
-    entry_pool.write(slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0], out)
+    comp.ops.cache_write(entry_pool, slot_mapping(table[c], dec.cache.config.block_size, e[:, None])[:, 0], out)
     for i in shut:
         entries[i].num_entries += 1
 
@@ -180,7 +180,7 @@ def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
     B, h, d = q.shape
     s0, bs = lstates[0], dec.cache.config.block_size
     win = s0.win_pool
-    win.write(dec.win_write, kv)
+    att.ops.cache_write(win, dec.win_write, kv)
     wk = win.read(dec.win_rows).float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
     ck = topk = None
     if att.compressor is not None:

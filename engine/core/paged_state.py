@@ -54,6 +54,10 @@ class PagedEntries:
         """All entries as stored (the codec's parts, gathered in order)."""
         return self.pool.gather(self._rows(0, self.num_entries))
 
+    def paged(self) -> tuple[CacheRows, torch.Tensor, int]:
+        """(pool, block table, block size): what the cache ops take (``GrowBuffer.paged``)."""
+        return self.pool, self.table, self.bs
+
 
 class PagedLayerState:
     """One layer of one request over the pools: the ``engine.model.state.LayerState`` interface."""

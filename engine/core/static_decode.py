@@ -176,7 +176,7 @@ class StaticDecoder:
         self._join()
         # window ring: write this token, then read positions p-W+1 .. p (ring_len >= W)
         W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
-        win.write(slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
+        ops.cache_write(win, slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
         wpos = positions[:, None] - W + 1 + torch.arange(W, device=x.device)
         wk = win.read(slot_mapping(tables["win"], bs, wpos % R)).float()                 # [B, W, d]
         qf, scale = q.float(), att.head_dim ** -0.5
@@ -241,7 +241,7 @@ class StaticDecoder:
         # look up entry 0 instead, then send the write to the trash row
         shut = closing[:, 0, 0]
         rows = slot_mapping(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
-        pool.write(torch.where(shut, rows, torch.full_like(rows, trash)), entry)
+        comp.ops.cache_write(pool, torch.where(shut, rows, torch.full_like(rows, trash)), entry)
 
     def _moe(self, moe: MoE, x, tokens):
         """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on."""

@@ -12,7 +12,6 @@ from torch import nn
 from engine.config import CSA_RATIO, ModelArgs
 from engine.model.layers import Linear, RMSNorm, RotaryTable, param
 from engine.ops import Ops
-from engine.ops.cache_codec import quant_query
 from engine.ops.reference import num_new_entries
 from engine.model.state import CompressorState, LayerState
 
@@ -65,11 +64,12 @@ class Indexer(nn.Module):
     def select(self, x: torch.Tensor, q: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, start_pos: int,
                state: LayerState) -> torch.Tensor:
         """One sequence: compress its indexer keys, then top-k entry ids ``[T, index_topk]`` (-1 = none).
-        With a quantised key cache the queries are quantised alike (``quant_query``)."""
+        The keys are read as stored (``ops.cache_indexer_topk``: with a quantised key cache the
+        queries are quantised alike)."""
         keys = state.idx_kv
         keys.append(self.compressor(x, start_pos, state.idx_comp, keys.codec.dtype))
-        return self.ops.indexer_topk(quant_query(keys.codec, q), w, keys.view(), positions, CSA_RATIO, self.topk,
-                                     self.head_dim ** -0.5)
+        return self.ops.cache_indexer_topk(q, w, *keys.paged(), positions, CSA_RATIO, self.topk,
+                                           self.head_dim ** -0.5)
 
 
 class Attention(nn.Module):

@@ -60,6 +60,11 @@ class GrowBuffer:
         """The live entries as stored (the codec's parts, views)."""
         return self._rows.gather(slice(0, self.num_entries))
 
+    def paged(self) -> tuple[CacheRows, torch.Tensor, int]:
+        """(pool, block table, block size) as the cache ops take a sequence's entries: the buffer
+        is one block as long as its capacity."""
+        return self._rows, torch.zeros(1, dtype=torch.long, device=self._rows.device), self._rows.num_rows
+
 
 @dataclass
 class CompressorState:

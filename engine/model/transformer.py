@@ -118,7 +118,7 @@ class Transformer(nn.Module):
         # decode rows of paged requests attend together (a state's decode_context); it is the reference
         # math, so only where the window / compressor / indexer / attention ops are the reference
         self._batch_decode = all(inspect.unwrap(getattr(ops, n)) is getattr(REFERENCE, n)
-                                 for n in ("sparse_attn", "compressor", "indexer_topk"))
+                                 for n in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk"))
 
     def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False) -> None:
         """Run options of the eager path: routed-MoE chunk length (custom_params.moe_chunk_max_len),

@@ -134,11 +134,11 @@ def _encode_scaled(xf: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
     """Per-row symmetric int8 (fp16 scale) or e4m3 (fp32 scale) of rows ``[..., dI]`` fp32."""
     qmax = INT8_MAX if kind == "int8" else FP8_MAX
     amax = xf.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = amax / qmax                                  # 0 for an all-zero row, as the epilogue stores it
+    y = torch.where(amax > 0, xf / torch.where(amax > 0, scale, torch.ones_like(scale)), torch.zeros_like(xf))
     if kind == "int8":
-        return torch.round(xf / scale).clamp(-qmax, qmax).to(torch.int8), scale.to(torch.float16)
-    q = (xf / scale).clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
-    return q, scale
+        return torch.round(y).clamp(-qmax, qmax).to(torch.int8), scale.to(torch.float16)
+    return y.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8), scale
 
 
 def quant_query(codec: CacheCodec, q: torch.Tensor) -> torch.Tensor:
