@@ -1,6 +1,6 @@
 """Decode-state caches per cache dtype, side by side: state per request, requests per rank, P/D bytes.
 
-    .venv/bin/python -m bench.bench_cache_dtype [--json] [--out FILE]
+    .venv/bin/python -m bench.bench_cache_dtype [--json] [--out FILE] [--no-accuracy]
 
 For each ``scheduler_config.kv_cache_dtype`` (``engine.cache_dtype``: bfloat16 = nothing
 quantised, int8 = A3's default bf16 KV + int8 indexer keys, fp8 = 950 C8, hif8 = 950 HiF8):
@@ -16,10 +16,10 @@ quantised, int8 = A3's default bf16 KV + int8 indexer keys, fp8 = 950 C8, hif8 =
 * P/D transfer bytes, MiB, of a 4K-token prompt's state (``engine.core.pd_state.expected_shapes``
   with the cache codecs: what the wire format's frames carry, header aside) for Flash and Pro,
   and the share of the bfloat16 bytes;
-* accuracy: ``cache_accuracy`` from ``engine.tools.cache_accuracy`` or tests/bench/cache_accuracy.py
-  when one is there, else a pointer to the tests.
+* accuracy (``engine.tools.cache_accuracy``): teacher-forced over 320 positions of the tiny flash
+  and pro models, top-1 agreement and mean / max relative logit error against unquantised caches.
 
-Torch only for the codec shapes; nothing is loaded, ~5 s on 2 cores. Writes ``--out`` (default
+The sizes take ~5 s on 2 cores; the accuracy a few minutes (``--no-accuracy`` skips it). Writes ``--out`` (default
 ``bench/out/cache_dtype.json``); ``--json`` prints it instead of the tables. Time a transfer of the
 quantised state with ``bench/bench_transfer.py --kv-cache-dtype fp8 --kinds zmq-tcp``.
 """
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -41,12 +39,13 @@ from engine.cache_dtype import SETTINGS, CacheDtype  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.memory_plan import DEVICE_GIB, STATE_LENGTHS, plan_memory, with_quant_type  # noqa: E402
 from engine.memory_sizes import GIB, MIB, Layout, state_per_request  # noqa: E402
+from engine.tools.cache_accuracy import cache_accuracy  # noqa: E402
 
 MODELS = {"Flash": ROOT / "configs/models/deepseek-v4-flash", "Pro": ROOT / "configs/models/deepseek-v4-pro"}
 RANK_YAML = ROOT / "configs/deepseek-v4-flash-a3-decode.yaml"
 WEIGHTS_950 = {"fp8": "w4a8-mx", "hif8": "w4a8-mx-hif"}      # the 950 types whose cache schemes these are
 PROMPT = 4096
-ACCURACY_HINT = "accuracy: see tests/engine/test_cache_quant.py"
+ACCURACY_HINT = "accuracy: skipped (--no-accuracy); tests/engine/test_cache_quant.py bounds it"
 
 
 def state_mib(args: ModelArgs, cache: CacheDtype) -> dict[int, float]:
@@ -87,29 +86,9 @@ def measure() -> dict:
     return rows
 
 
-def load_accuracy():
-    """``cache_accuracy(settings: list[str]) -> {setting: {metric: float}}`` from
-    ``engine.tools.cache_accuracy`` or tests/bench/cache_accuracy.py; None when neither exists."""
-    try:
-        return importlib.import_module("engine.tools.cache_accuracy").cache_accuracy
-    except ModuleNotFoundError as e:
-        if e.name != "engine.tools.cache_accuracy":
-            raise
-    path = ROOT / "tests" / "bench" / "cache_accuracy.py"
-    if not path.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("cache_accuracy", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.cache_accuracy
-
-
 def accuracy(settings: list[str]) -> tuple[dict | None, list[str]]:
     """(the accuracy figures or None, the lines to print)."""
-    fn = load_accuracy()
-    if fn is None:
-        return None, [ACCURACY_HINT]
-    res = fn(settings)
+    res = cache_accuracy(settings)
     metrics = sorted({k for r in res.values() for k in r})
     lines = ["| kv_cache_dtype | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
     lines += [f"| {s} | " + " | ".join(_num(res[s].get(k)) for k in metrics) + " |" for s in settings if s in res]
@@ -155,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_cache_dtype", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     p.add_argument("--out", default=str(ROOT / "bench" / "out" / "cache_dtype.json"), help="JSON file to write")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip the accuracy figures (they run the tiny flash and pro models, a few minutes)")
     a = p.parse_args(argv)
     rows = measure()
-    acc, acc_lines = accuracy(list(rows))
+    acc, acc_lines = (None, [ACCURACY_HINT]) if a.no_accuracy else accuracy(list(rows))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {"prompt_tokens": PROMPT, "rows": rows, "accuracy": acc}

@@ -7,7 +7,8 @@ Messages (built with ``kvtransfer.wire.encode_state``, random bytes):
     tiny-4k    the tiny flash preset's decode state at L = 4096 (``engine.core.pd_state.expected_shapes``)
     flash-8k   a DeepSeek-V4-Flash-shaped state at L = 8192 (configs/models/deepseek-v4-flash: 43
                layers, 2 window-only, 21 CSA, 20 HCA, head_dim 512, index_head_dim 128), fp32
-               compressor remainders (reference/dsv4-architecture.md section 4: ~59 MiB in bf16)
+               compressor remainders (reference/dsv4-architecture.md section 4: ~59 MiB in bf16);
+               any ``tiny-Nk`` / ``flash-Nk`` / ``pro-Nk`` gives that model's state at L = N * 1024
 The KV and indexer caches of the two state messages are stored as ``--kv-cache-dtype`` says
 (``engine.cache_dtype``; default bfloat16: nothing quantised; fp8 ships 640 B per KV row instead
 of 1024, ``engine.ops.cache_codec``), so ``--kv-cache-dtype fp8 --kinds zmq-tcp`` times the
@@ -47,7 +48,7 @@ from kvtransfer.wire import decode_state, encode_state, model_fingerprint  # noq
 
 FP = model_fingerprint({"bench": "transfer"}, torch.bfloat16)
 KIND_LABEL = {"zmq-tcp": "zmq-tcp", "zmq-ipc": "zmq-ipc", "dist": "dist (gloo)"}
-FLASH = ROOT / "configs" / "models" / "deepseek-v4-flash"
+MODELS = {m: ROOT / "configs" / "models" / f"deepseek-v4-{m}" for m in ("flash", "pro")}
 
 
 def layout(cache: CacheDtype) -> dict:
@@ -72,14 +73,14 @@ def state_bytes(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
 def shapes_for(size: str, cache: CacheDtype = CacheDtype()) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of the message called ``size``, state caches stored as ``cache``.
     Raises ValueError for unknown names."""
-    if size == "tiny-4k":
-        return state_shapes(ModelArgs.from_dict(PRESETS["flash"]), cache, 4096)
-    if size == "flash-8k":
-        return state_shapes(ModelArgs.from_json(FLASH), cache, 8192)
+    model, _, k = size.partition("-")
+    if k.endswith("k") and k[:-1].isdigit() and model in ("tiny", "flash", "pro"):
+        args = ModelArgs.from_dict(PRESETS["flash"]) if model == "tiny" else ModelArgs.from_json(MODELS[model])
+        return state_shapes(args, cache, int(k[:-1]) * 1024)
     if size.endswith("M") and size[:-1].isdigit():
         n = int(size[:-1]) << 20
         return {f"t{i}": ((n // 8,), torch.bfloat16) for i in range(4)}
-    raise ValueError(f"--sizes: unknown message {size!r} (tiny-4k, flash-8k or NM such as 64M)")
+    raise ValueError(f"--sizes: unknown message {size!r} (tiny-Nk, flash-Nk, pro-Nk or NM such as 64M)")
 
 
 def build(size: str, cache: CacheDtype = CacheDtype(), seed: int = 0) -> list:

@@ -13,6 +13,7 @@ from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.pd_state import expected_shapes
 from engine.core.sampling_params import SamplingParams
 from engine.platform import detect
+from engine.tools.cache_accuracy import accuracy
 
 CACHES = {"int8": CacheDtype("none", "int8"), "fp8": CacheDtype("fp8", "fp8"), "hif8": CacheDtype("hif8", "hif8")}
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -139,18 +140,6 @@ def test_contiguous_state_equals_the_pools(model):
     assert torch.equal(h, hp)
 
 
-def cache_accuracy(model, cache: CacheDtype, positions: int = 320, seed: int = 0) -> dict[str, float]:
-    """Teacher-forced over ``positions`` random tokens: top-1 agreement and mean / max relative
-    logit error (``|z_q - z| / |z|`` per position) of ``cache`` against unquantised caches."""
-    toks = torch.tensor(_prompt(model, positions, seed=seed))
-    with torch.no_grad():
-        ref = model.logits(model.forward(toks, model.new_state())).float()
-        got = model.logits(model.forward(toks, model.new_state(cache=cache))).float()
-    rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-    return {"top1": float((got.argmax(-1) == ref.argmax(-1)).float().mean()), "mean_rel": float(rel.mean()),
-            "max_rel": float(rel.max())}
-
-
 # bounds per cache: (min top-1 agreement, max mean relative error, max max relative error); measured
 # on the tiny seed-1 checkpoints, 320 positions: flash int8 1.000 / 9.2e-4 / 3.7e-2, fp8 0.988 / 4.9e-3 /
 # 5.4e-2, hif8 0.981 / 6.7e-3 / 5.4e-2; pro int8 1.000 / 9.1e-4 / 8.1e-2, fp8 0.991 / 5.7e-3 / 0.107,
@@ -162,7 +151,7 @@ BOUNDS = {"int8": (0.99, 0.003, 0.15), "fp8": (0.96, 0.02, 0.25), "hif8": (0.96,
 def test_accuracy_against_unquantised_caches(tiny_ckpt, preset):
     model = load_model(tiny_ckpt(preset, 1), progress=False)
     for name, cache in CACHES.items():
-        acc = cache_accuracy(model, cache)
+        acc = accuracy(model, cache)
         print(f"{preset} {name}: top-1 {acc['top1']:.4f}  mean rel {acc['mean_rel']:.2e}  max rel {acc['max_rel']:.2e}")
         lo_top1, hi_mean, hi_max = BOUNDS[name]
         assert acc["top1"] >= lo_top1 and acc["mean_rel"] <= hi_mean and acc["max_rel"] <= hi_max, (name, acc)

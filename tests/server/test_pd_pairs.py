@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -88,10 +89,23 @@ def test_a_decode_with_other_weights_is_never_chosen(ckpt, reference, tmp_path):
         pd.stop()
 
 
-def test_the_only_decode_incompatible_is_a_503_before_any_prefill(ckpt, tmp_path):
+# the prefill's change -> what the refusal names (decode runs configs/tiny-flash.yaml: fp32, caches unquantised)
+PREFILL_DIFFERS = {
+    "dtype": (("model_config", "dtype", "bfloat16"), "layout.kv_dtype differs: prefill has 'bfloat16', decode has 'float32'"),
+    "cache": (("scheduler_config", "kv_cache_dtype", "fp8"),
+              "layout.cache_dtype.indexer differs: prefill has 'fp8', decode has 'none'; "
+              "layout.cache_dtype.kv differs: prefill has 'fp8', decode has 'none'"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(PREFILL_DIFFERS))
+def test_the_only_decode_incompatible_is_a_503_before_any_prefill(ckpt, tmp_path, what):
+    """A prefill whose compute dtype, or whose decode-state caches (kv_cache_dtype), differ from the
+    only decode's: never paired, a 503 naming the layout key, nothing served or transferred."""
+    (section, key, value), names = PREFILL_DIFFERS[what]
     run = yaml.safe_load(Path(CONFIG).read_text())
-    run["model_config"]["dtype"] = "bfloat16"
-    bf16 = tmp_path / "tiny-flash-bf16.yaml"
+    run.setdefault(section, {})[key] = value
+    bf16 = tmp_path / "tiny-flash-prefill.yaml"
     bf16.write_text(yaml.safe_dump(run))
 
     def up(r: httpx.Response) -> bool:           # unhealthy by design: up once the pair is judged
@@ -107,7 +121,7 @@ def test_the_only_decode_incompatible_is_a_503_before_any_prefill(ckpt, tmp_path
         assert r.status_code == 503, r.text
         msg = r.json()["error"]["message"]
         assert msg.startswith("no compatible prefill/decode pair: prefill 127.0.0.1:")
-        assert "layout.kv_dtype differs: prefill has 'bfloat16', decode has 'float32'" in msg
+        assert names in msg
         for name in ("prefill0", "decode0"):
             m = _worker_metrics(pd, name)
             assert _served(m) == (0, 0) and _metric(m, "request_success_total") == 0, name
