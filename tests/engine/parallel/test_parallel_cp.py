@@ -18,10 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from engine.cache_dtype import CacheDtype
 from engine.checkpoint.loader import load_model
 from engine.parallel.cp import zigzag_chunks
 
 TOL = 1e-5
+FP8 = CacheDtype("fp8", "fp8")
 LENGTHS = (1000, 2 * 2 * 128, 100)          # not aligned, exactly 2*cp chunks at cp 2, empty chunks
 
 
@@ -87,6 +89,13 @@ def _worker(rank, world, port, ckpt, refdir, outdir, combined):
         hidden, state = cp_prefill(load_model(ckpt, dtype=torch.bfloat16, progress=False), _tokens(LENGTHS[0]))
         d = {"hidden": _diff(hidden, ref["hidden"]), "win_kv": _diff(state.layers[-1].win_kv.parts[0], ref["win_kv"])}
         Path(f"{outdir}/diff-bf16-{rank}.json").write_text(json.dumps(d))
+        # quantised caches (950 C8): the chunks write and read the stored rows as the forward does
+        ref = load_file(f"{refdir}/ref-fp8.safetensors")
+        hidden, state = cp_prefill(model, _tokens(LENGTHS[0]), cache=FP8)
+        got = _state_dict(state)
+        d = {"hidden": _diff(hidden, ref["hidden"]),
+             **{k: _diff(got.get(k, torch.empty(0)), v) for k, v in ref.items() if k[0].isdigit()}}
+        Path(f"{outdir}/diff-fp8-{rank}.json").write_text(json.dumps(d))
     dist.destroy_process_group()
 
 
@@ -111,6 +120,9 @@ def ref(tiny_ckpt, tmp_path_factory):
     state = bf16.new_state()
     hidden = bf16.forward(_tokens(LENGTHS[0]), state)
     save_file({"hidden": hidden, "win_kv": state.layers[-1].win_kv.parts[0]}, str(d / "ref-bf16.safetensors"))
+    state = model.new_state(cache=FP8)
+    hidden = model.forward(_tokens(LENGTHS[0]), state)
+    save_file({"hidden": hidden, **_state_dict(state)}, str(d / "ref-fp8.safetensors"))
     return ckpt, str(d), model
 
 
@@ -120,12 +132,12 @@ def _run(ref, tmp_path, world: int, combined: bool = False) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_worker, (world, port, ckpt, refdir, str(tmp_path), combined), nprocs=world, join=True)
-    for L in LENGTHS + (("bf16",) if world == 2 and not combined else ()):
+    for L in LENGTHS + (("bf16", "fp8") if world == 2 and not combined else ()):
         for r in range(world):
             d = json.loads((tmp_path / f"diff-{L}-{r}.json").read_text())
-            bad = {k: v for k, v in d.items() if not v <= (TOL if L != "bf16" else 5e-2)}
+            bad = {k: v for k, v in d.items() if not v <= (5e-2 if L == "bf16" else TOL)}
             assert not bad, f"world {world} L {L} rank {r}: {bad}"
-        if L == "bf16":
+        if L in ("bf16", "fp8"):
             continue
         h_ref = load_file(f"{refdir}/ref-{L}.safetensors")["hidden"]
         h_cp = load_file(str(tmp_path / f"cp-{L}.safetensors"))["hidden"]
