@@ -95,11 +95,15 @@ def resolve(setting: str, quantization_config: dict | None) -> CacheDtype:
         return CacheDtype(*SETTINGS[setting])
     if setting != "auto":
         raise ValueError(f"{KEY}: expected 'auto' or one of {sorted(SETTINGS)}, got {setting!r}")
-    qc = quantization_config or {}
+    qc = quantization_config if isinstance(quantization_config, dict) else {}
     if qc.get("quant_method") != "compressed-tensors":
         return CacheDtype()
-    acts = ((qc.get("config_groups") or {}).get("group_0") or {}).get("input_activations") or {}
-    hif = acts.get("strategy") == "tensor"
+    path, node = "quantization_config", qc
+    for key in ("config_groups", "group_0", "input_activations"):
+        node, path = node.get(key) if isinstance(node, dict) else None, f"{path}.{key}"
+        if node is not None and not isinstance(node, dict):
+            raise ValueError(f"{path}: expected an object, got {node!r}")
+    hif = (node or {}).get("strategy") == "tensor"
 
     def kind(key: str, allowed: dict[str, str]) -> str:
         scheme = qc.get(key)
@@ -107,7 +111,7 @@ def resolve(setting: str, quantization_config: dict | None) -> CacheDtype:
             return "none"
         typ = scheme.get("type") if isinstance(scheme, dict) else None
         bits = scheme.get("num_bits") if isinstance(scheme, dict) else None
-        if typ not in allowed or bits != 8:
+        if not isinstance(typ, str) or typ not in allowed or type(bits) is not int or bits != 8:
             raise ValueError(f"quantization_config.{key}: expected 8-bit {sorted(allowed)} or null, got {scheme!r}")
         return allowed[typ]
 

@@ -10,7 +10,8 @@ P/D transfer ships and what the NPU kernels read:
   with amax >= 1e-4, clipped to +-448), the groups' e8m0 exponents, zero padding;
 * KV ``hif8`` / indexer ``hif8``: one uint8 part of HiF8 codes (scale 1);
 * indexer ``int8``: int8 ``[..., dI]`` + fp16 ``[..., 1]`` (amax / 127, round half to even, clamp
-  +-127: A3's ``li_cmp_kv`` + ``li_key_dequant_scale``);
+  +-127: A3's ``li_cmp_kv`` + ``li_key_dequant_scale``; the fp16 scale bounds a row's amax to
+  about 4e-6 .. 8e6, as on the device: indexer keys are RMS-normed, O(1));
 * indexer ``fp8``: uint8 e4m3 bytes ``[..., dI]`` + fp32 ``[..., 1]`` (amax / 448:
   ``custom.indexer_compress_epilog`` quant_mode 1);
 * ``none``: one part, the rows themselves in the compute dtype (decode returns it, no copy).

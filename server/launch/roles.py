@@ -266,6 +266,8 @@ def run_local(args) -> int:
                  extra_args={"prefill": workers, "decode": workers, "gateway": gw})
     import socket
     with socket.socket() as s:                 # a gateway already there would answer our health check
+        # uvicorn binds with SO_REUSEADDR: a port a finished run left in TIME_WAIT is free to it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((args.host, gateway_port))
         except OSError as e:

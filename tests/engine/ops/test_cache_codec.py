@@ -114,9 +114,13 @@ def test_resolve_refusals_name_the_key():
     with pytest.raises(ValueError, match="scheduler_config.kv_cache_dtype: expected 'auto'"):
         resolve("fp16", None)
     qc = compressed_tensors_config(4, [0, 0, 4, 128], "w8a8-int")
-    qc["li_cache_scheme"] = {"type": "int", "num_bits": 4}
-    with pytest.raises(ValueError, match="quantization_config.li_cache_scheme"):
-        resolve("auto", qc)
+    for bad in ({"type": "int", "num_bits": 4}, {"type": ["int"], "num_bits": 8}, {"type": {"a": 1}, "num_bits": 8},
+                {"type": "int", "num_bits": 8.0}, {"type": "int", "num_bits": True}, "int8"):
+        with pytest.raises(ValueError, match="quantization_config.li_cache_scheme"):
+            resolve("auto", {**qc, "li_cache_scheme": bad})
+    groups = {"group_0": {**qc["config_groups"]["group_0"], "input_activations": "tensor"}}
+    with pytest.raises(ValueError, match="quantization_config.config_groups.group_0.input_activations"):
+        resolve("auto", {**qc, "config_groups": groups})
 
 
 def test_run_config_key(tmp_path):
