@@ -25,6 +25,7 @@ class DPCache:
     def __init__(self, local: PagedCache, dp: int):
         self.ranks: list[BlockManager] = [local] + [BlockManager(local.args, local.config) for _ in range(dp - 1)]
         self.args, self.config, self.dtype, self.device = local.args, local.config, local.dtype, local.device
+        self.cache_dtype, self.kv_codec, self.idx_codec = local.cache_dtype, local.kv_codec, local.idx_codec
         self.geometry = local.geometry
         self.owner: dict[object, int] = {}
 

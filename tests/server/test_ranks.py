@@ -162,16 +162,8 @@ def _sync(mirror):
 
 
 def _pools_equal(a, b):
-    for name in ("win",):
-        for x, y in zip(getattr(a, name), getattr(b, name)):
-            assert torch.equal(x, y)
-    for name in ("cmp_kv", "idx_kv"):
-        for l in getattr(a, name):
-            assert torch.equal(getattr(a, name)[l], getattr(b, name)[l])
-    for name in ("comp", "idx_comp"):
-        for l in getattr(a, name):
-            for x, y in zip(getattr(a, name)[l], getattr(b, name)[l]):
-                assert torch.equal(x, y)
+    ta, tb = a.tensors(), b.tensors()
+    assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
     assert {k: v.state_slot for k, v in a.seqs.items()} == {k: v.state_slot for k, v in b.seqs.items()}
     assert {k: v.tables for k, v in a.seqs.items()} == {k: v.tables for k, v in b.seqs.items()}
     assert a.num_free() == b.num_free()
