@@ -23,6 +23,7 @@ import engine.ops.reference as R
 from engine.config import CSA_RATIO
 from engine.ops import REFERENCE
 from engine.ops.cache_codec import quant_query
+from engine.ops.reference.cache import closed_entries
 
 TIE_REL = 1e-5
 
@@ -68,10 +69,8 @@ class TieGuard:
 
     def cache_indexer_topk(self, q, weights, keys, block_table, block_size, positions, ratio, topk, scale):
         """``reference.cache_indexer_topk`` through the guarded ``indexer_topk``."""
-        n = int(positions[-1] + 1) // ratio if q.shape[0] else 0
-        idx = torch.arange(n)
-        rows = block_table[idx // block_size] * block_size + idx % block_size
-        return self.indexer_topk(quant_query(keys.codec, q), weights, keys.read(rows), positions, ratio, topk, scale)
+        k = closed_entries(keys, block_table, block_size, positions, ratio)
+        return self.indexer_topk(quant_query(keys.codec, q), weights, k, positions, ratio, topk, scale)
 
     def gating_topk(self, logits, bias, hash_ids, k, routed_scaling):
         w, ids = R.gating_topk(logits, bias, hash_ids, k, routed_scaling)

@@ -67,9 +67,14 @@ def layer_state_tensors(l: int, layer, win_kv: torch.Tensor, num_tokens: int) ->
     return out
 
 
+def part_name(name: str, i: int) -> str:
+    """Transfer name of a cache's stored part ``i``: ``name``, then ``name.scale``."""
+    return name if i == 0 else f"{name}.scale"
+
+
 def part_names(name: str, parts) -> dict[str, torch.Tensor]:
-    """A cache's stored parts under their transfer names: ``name``, then ``name.scale``."""
-    return {name if i == 0 else f"{name}.scale": p for i, p in enumerate(parts)}
+    """A cache's stored parts under their transfer names (``part_name``)."""
+    return {part_name(name, i): p for i, p in enumerate(parts)}
 
 
 def expected_shapes(cache: "PagedCache", num_tokens: int, layers: Iterable[int] | None = None
@@ -82,7 +87,7 @@ def expected_shapes(cache: "PagedCache", num_tokens: int, layers: Iterable[int] 
 
     def rows(name: str, codec, n: int) -> None:
         for i, shape_dtype in enumerate(codec.part_shapes(n)):
-            out[name if i == 0 else f"{name}.scale"] = shape_dtype
+            out[part_name(name, i)] = shape_dtype
 
     for l in (range(cache.geometry.num_layers) if layers is None else layers):
         rows(f"layers.{l}.win_kv", cache.kv_codec, min(L, a.sliding_window - 1))
@@ -161,4 +166,4 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
 
 
 def _parts(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
-    return tuple(t for t in (tensors[name], tensors.get(f"{name}.scale")) if t is not None)
+    return tuple(t for t in (tensors[name], tensors.get(part_name(name, 1))) if t is not None)

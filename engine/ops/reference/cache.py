@@ -61,9 +61,16 @@ def cache_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows, 
         IndexError: the table holds fewer blocks than the closed windows need.
     """
     from engine.ops.cache_codec import quant_query
-    n = int(positions[-1] + 1) // ratio if q.shape[0] else 0
-    k = keys.read(_rows(block_table, block_size, torch.arange(n, device=keys.device)))
+    k = closed_entries(keys, block_table, block_size, positions, ratio)
     return indexer_topk(quant_query(keys.codec, q), weights, k.to(q.device), positions, ratio, topk, scale)
+
+
+def closed_entries(keys: CacheRows, block_table: torch.Tensor, block_size: int, positions: torch.Tensor,
+                   ratio: int) -> torch.Tensor:
+    """The ``(positions[-1] + 1) // ratio`` entries a sequence's queries can see, decoded
+    ``[N, dim]`` (compute dtype); entry i at pool row ``block_table[i // bs] * bs + i % bs``."""
+    n = int(positions[-1] + 1) // ratio if positions.shape[0] else 0
+    return keys.read(_rows(block_table, block_size, torch.arange(n, device=keys.device)))
 
 
 def cache_sparse_attn(q: torch.Tensor, positions: torch.Tensor, win: CacheRows, win_table: torch.Tensor,
@@ -97,8 +104,5 @@ def cache_sparse_attn(q: torch.Tensor, positions: torch.Tensor, win: CacheRows, 
         raise ValueError(f"cache_sparse_attn: positions {w0}..{p1} do not fit a window ring of {ring_len} slots")
     pos = torch.arange(w0, p1 + 1, device=win.device)
     win_kv = win.read(_rows(win_table, block_size, pos % ring_len)).to(q.device)
-    cmp_kv = None
-    if cmp is not None:
-        ids = torch.arange((p1 + 1) // cmp_ratio, device=cmp.device)
-        cmp_kv = cmp.read(_rows(cmp_table, block_size, ids)).to(q.device)
+    cmp_kv = None if cmp is None else closed_entries(cmp, cmp_table, block_size, positions, cmp_ratio).to(q.device)
     return sparse_attn(q, positions, win_kv, w0, window, cmp_kv, cmp_ratio, topk_idx, sinks, scale)
