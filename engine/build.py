@@ -146,7 +146,7 @@ def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -
                                mem_fraction_static=s.mem_fraction_static, cpu_memory_bytes=s.cpu_memory_bytes,
                                num_kv_blocks=s.num_kv_blocks, num_reserved_decode_tokens=s.num_reserved_decode_tokens,
                                eos_ids=eos_token_ids(path, model.args), executor=executor,
-                               cache_dtype=cfg.cache_dtype_for(model.args))
+                               cache_dtype=cfg.cache_dtype_for(model.args), next_n=cfg.model_config.next_n)
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("scheduler_config") else f"scheduler_config: {e}") from None
     except (RuntimeError, MemoryError) as e:    # a pool larger than the machine (e.g. num_kv_blocks)

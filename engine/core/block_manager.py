@@ -8,7 +8,8 @@ Pools (manager keys after the NPU port, §4):
   * ``state`` compressor remainders (fp32), one slot per request: ``num_ratio_group * m`` rows of
     width ``c * d`` per compressor, ``num_ratio_group = (1 if next_n == 0 else 2) + overlap``
     (reference/upstream-parallel-and-mtp.md, MTP section: the extra group lets rejected draft
-    tokens be recompressed; MTP itself is not run yet).
+    tokens be recompressed); with next_n > 0 the ``win`` blocks also hold the MTP layer's
+    window ring (one more ring per request and MTP layer, the same block ids).
 
 A request's block table per pool lists its blocks in order. Allocation is two-phase (check all
 pools, then take), so a refused request holds nothing; ``free`` returns everything at once. The
@@ -62,6 +63,7 @@ class Geometry:
     state_rows: dict[int, int]    # ratio -> compressor state rows (num_ratio_group * m)
     rope_dim: int = 0
     cache_dtype: CacheDtype = CacheDtype()
+    mtp_layers: int = 0           # MTP window rings per request (next_n > 0: the MTP layers)
 
     @classmethod
     def of(cls, args: ModelArgs, block_size: int, next_n: int = 0, cache_dtype: CacheDtype | None = None
@@ -73,7 +75,7 @@ class Geometry:
                    tuple(i for i in range(args.num_hidden_layers) if args.compress_ratios[i] == HCA_RATIO),
                    args.num_hidden_layers, args.head_dim, args.index_head_dim,
                    {CSA_RATIO: (groups + 1) * CSA_RATIO, HCA_RATIO: groups * HCA_RATIO},
-                   args.qk_rope_head_dim, cache_dtype or CacheDtype())
+                   args.qk_rope_head_dim, cache_dtype or CacheDtype(), args.num_mtp_layers if next_n else 0)
 
     def blocks_needed(self, pool: str, num_tokens: int) -> int:
         """Blocks of ``pool`` a request with ``num_tokens`` processed tokens holds."""
@@ -90,7 +92,7 @@ class Geometry:
         bs = self.block_size
         kv = kv_row_bytes(self.cache_dtype.kv, self.head_dim, self.rope_dim, kv_bytes)
         if pool == "win":
-            return self.num_layers * bs * kv
+            return (self.num_layers + self.mtp_layers) * bs * kv
         if pool == "c4":
             return len(self.csa_layers) * bs * (kv + indexer_row_bytes(self.cache_dtype.indexer, self.index_head_dim,
                                                                        kv_bytes))

@@ -51,10 +51,15 @@ class Executor:
 
     # ---- the model ----------------------------------------------------------------------------
     def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int],
-                      layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+                      layer_hook: Callable[[int], None] | None = None, streams: bool = False):
         """``Transformer.forward_batch``: packed tokens ``[sum(lengths)]`` -> hidden
-        ``[sum(lengths), H]`` (compute dtype); the states advance. Raises ValueError as it does."""
-        return self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook)
+        ``[sum(lengths), H]`` (compute dtype; with ``streams`` also the ``[sum(lengths), n, H]``
+        fp32 streams the MTP layer takes); the states advance. Raises ValueError as it does."""
+        return self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=streams)
+
+    def forward_mtp(self, streams: torch.Tensor, tokens_next: torch.Tensor, states: list, lengths: list[int]):
+        """``Transformer.forward_mtp``: the MTP layer over packed rows -> (streams, hidden)."""
+        return self.model.forward_mtp(streams, tokens_next, states, lengths)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``Transformer.logits``: hidden ``[T, H]`` -> ``[T, V]`` fp32."""

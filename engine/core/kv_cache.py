@@ -13,7 +13,7 @@ import torch
 from engine.cache_dtype import CacheDtype
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
 from engine.core.block_manager import GROWING, BlockManager, CacheConfig, plan_cache, pool_bytes
-from engine.core.paged_state import PagedSequenceState
+from engine.core.paged_state import PagedLayerState, PagedSequenceState
 from engine.ops.cache_codec import CacheRows, codecs_for
 
 
@@ -22,7 +22,8 @@ class PagedCache(BlockManager):
 
     Pools (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset), KV and
     indexer keys as ``CacheRows`` in ``config.cache_dtype``'s storage (``engine.ops.cache_codec``;
-    read as rows of the compute dtype): win[l] ``(n_win + ring/bs) * bs`` rows of d; cmp_kv[l]
+    read as rows of the compute dtype): win[l] ``(n_win + ring/bs) * bs`` rows of d (and with
+    next_n > 0 mtp_win[k] alike for MTP layer k); cmp_kv[l]
     ``n_c4 * bs + 1`` (CSA) or ``n_c128 * bs + 1`` (HCA) rows of d; idx_kv[l] ``n_c4 * bs + 1``
     rows of dI; fp32 tensors comp_kv / comp_score[l]
       ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
@@ -50,6 +51,8 @@ class PagedCache(BlockManager):
         ring_blocks = g.blocks_needed("win", 0)
         self.pad_slot, self.pad_win_blocks = S, list(range(n_win, n_win + ring_blocks))
         self.win = [kv_rows((n_win + ring_blocks) * bs) for _ in range(g.num_layers)]
+        # the MTP layers' window rings (next_n > 0), indexed by the same ``win`` block tables
+        self.mtp_win = [kv_rows((n_win + ring_blocks) * bs) for _ in range(g.mtp_layers)]
         self.cmp_kv, self.idx_kv, self.comp, self.idx_comp = {}, {}, {}, {}
         for l in g.csa_layers:
             n = self.pools["c4"].num_blocks * bs + 1
@@ -65,7 +68,7 @@ class PagedCache(BlockManager):
 
     def tensors(self) -> list[torch.Tensor]:
         """Every pool tensor: the KV and indexer caches' stored parts, then the compressor states."""
-        rows = [*self.win, *self.cmp_kv.values(), *self.idx_kv.values()]
+        rows = [*self.win, *self.mtp_win, *self.cmp_kv.values(), *self.idx_kv.values()]
         return [*(p for r in rows for p in r.parts),
                 *(t for pair in [*self.comp.values(), *self.idx_comp.values()] for t in pair)]
 
@@ -80,6 +83,13 @@ class PagedCache(BlockManager):
         """The model-facing state of ``seq_id`` with ``num_tokens`` tokens already processed.
         Raises KeyError if it holds nothing."""
         return PagedSequenceState(self, self.seqs[seq_id], num_tokens)
+
+    def mtp_state(self, seq_id, num_tokens: int, layer: int = 0) -> "PagedLayerState":
+        """MTP layer ``layer``'s window state of ``seq_id`` with ``num_tokens`` positions drafted
+        over (``forward_mtp`` advances its ``num_tokens``). Raises KeyError / IndexError."""
+        held = self.seqs[seq_id]
+        table = torch.tensor(held.tables["win"], dtype=torch.long, device=self.device)
+        return PagedLayerState.window_only(self, self.mtp_win[layer], table, num_tokens)
 
 
 def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:
@@ -105,10 +115,12 @@ def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) ->
 
 
 def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: float, cpu_memory_bytes: int,
-               num_kv_blocks: int | None = None, cache_dtype: CacheDtype | None = None) -> CacheConfig:
+               num_kv_blocks: int | None = None, cache_dtype: CacheDtype | None = None, next_n: int = 0
+               ) -> CacheConfig:
     """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``, the
     caches stored as ``cache_dtype`` (None: unquantised).
 
+    ``next_n``: MTP depth (the ring and compressor state keep its extra room, plus the MTP rings).
     ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
     same token reach and at least ``batch_size`` blocks. None: ``plan_cache`` fills the budget.
     Raises:
@@ -123,11 +135,12 @@ def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: flo
     if num_kv_blocks is not None:
         # HCA blocks: the same token reach as the CSA pool, and at least one per running request
         c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
-        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128}, 0, cache_dtype or CacheDtype())
+        cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128}, next_n,
+                          cache_dtype or CacheDtype())
         need = pool_bytes(a, model.dtype, cfg)
         if need > budget:
             raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
                              f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
     else:
-        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget, cache_dtype=cache_dtype)
+        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget, next_n, cache_dtype)
     return cfg

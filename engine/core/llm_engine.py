@@ -23,6 +23,7 @@ from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus
 from engine.core.sampler import sample
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerLimits
+from engine.core.spec_decode import SpecDecoder
 from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -82,21 +83,24 @@ class LLMEngine:
         self._finished_out: list[RequestOutput] = []
         # graph-mode decode (engine.core.model_runner.DecodeRunner): runs the batch's single-token rows
         self.runner = None
+        # MTP speculative decoding (next_n > 0): drafts, verification, rollback
+        self.spec = SpecDecoder(self, cache_config.next_n) if cache_config.next_n else None
 
     @classmethod
     def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
               cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None, num_reserved_decode_tokens: int = 64,
               eos_ids: tuple[int, ...] | None = None, executor: ExecutorFactory | None = None,
-              cache_dtype: CacheDtype | None = None) -> "LLMEngine":
+              cache_dtype: CacheDtype | None = None, next_n: int = 0) -> "LLMEngine":
         """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine;
-        ``cache_dtype``: the caches' storage (``engine.cache_dtype``; None: unquantised).
+        ``cache_dtype``: the caches' storage (``engine.cache_dtype``; None: unquantised); ``next_n``:
+        MTP draft tokens per decode step (``engine.core.spec_decode``; the model needs its MTP layer).
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
         cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks,
-                         cache_dtype)
+                         cache_dtype, next_n)
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
@@ -306,8 +310,13 @@ class LLMEngine:
             if done:
                 cb = self.on_layer_final
                 hook = lambda layer: cb(layer, done)  # noqa: E731 - this step's finishing prompts
+        spec = self.spec
         try:
-            hidden = self._forward(batch, ids, tokens, hook)
+            if spec is None:
+                hidden = self._forward(batch, ids, tokens, hook)
+            else:
+                hidden, streams = self.executor.forward_batch(tokens, spec.begin(batch), batch.num_tokens,
+                                                              layer_hook=hook, streams=True)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))
@@ -316,17 +325,26 @@ class LLMEngine:
             return []
         rows, last, off = [], [], 0
         for s, n in zip(batch.seqs, batch.num_tokens):
-            s.num_computed += n
+            s.num_computed += n - s.spec_k          # drafts count once accepted
             off += n
             if s.num_pending == 0:
                 rows.append(s)
-                last.append(off - 1)
-        if not rows:
-            return []
+                last += range(off - 1 - s.spec_k, off)        # the pending token's row, then each draft's
+        outs = self._sample(rows, hidden[torch.tensor(last, dtype=torch.long, device=dev)]) if rows else []
+        if spec is not None:
+            spec.draft(streams)
+        return outs
+
+    def _sample(self, rows: list, hidden: torch.Tensor) -> list[RequestOutput]:
+        """Sample ``rows`` (requests whose pending tokens all ran; each with ``spec_k`` drafts
+        after them: ``1 + spec_k`` rows of ``hidden`` each, verified by ``spec.accept``) and
+        append what each keeps."""
+        want = [SampleRow(s.params, s.num_tokens + j, s.prompt_ids, s.output_ids + s.draft_ids[:j])
+                for s in rows for j in range(1 + s.spec_k)]
         try:
-            logits = self.executor.logits(hidden[torch.tensor(last, device=dev)])
+            logits = self.executor.logits(hidden)
             t = time.perf_counter()
-            sampled = sample(logits, [SampleRow(s.params, s.num_tokens, s.prompt_ids, s.output_ids) for s in rows])
+            sampled = sample(logits, want)
             self.stats.sample_s += time.perf_counter() - t
             # one pass: a NaN / inf logit makes the row sum non-finite (so would a sum past 3e38,
             # which only a broken model gives); 50x cheaper than isfinite().all() on the CPU
@@ -338,13 +356,25 @@ class LLMEngine:
                 self._finish(s, FinishReason.ABORT)
             return []
         now = time.monotonic()
-        outs = []
-        for s, smp, ok in zip(rows, sampled, finite):
-            if not ok:
+        outs, i = [], 0
+        for s in rows:
+            n, i = 1 + s.spec_k, i + 1 + s.spec_k
+            got = sampled[i - n:i]
+            if not all(finite[i - n:i]):
                 log.error("request %s: non-finite logits at position %d; aborted", s.seq_id, s.num_tokens)
                 self._finish(s, FinishReason.ABORT)
                 continue
-            outs.append(self._append(s, smp, now))
+            if self.spec is not None:
+                a = self.spec.accept(s, [g.token_id for g in got])
+                s.num_computed += a
+                got = got[: a + 1]
+            out = None
+            for smp in got:
+                o = self._append(s, smp, now)
+                out = o if out is None else _merge(out, o)
+                if o.finished:
+                    break
+            outs.append(out)
         return outs
 
     def _forward(self, batch, ids: list[int], tokens: torch.Tensor, hook) -> torch.Tensor:
@@ -414,3 +444,8 @@ class LLMEngine:
             self.step()
         return [seqs[r] for r in ids]
 
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One step's outputs of one request (``b`` after ``a``: several accepted tokens)."""
+    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_logprobs=a.new_logprobs + b.new_logprobs,
+                   queue_time_s=a.queue_time_s)

@@ -79,6 +79,17 @@ class PagedLayerState:
             self.idx_kv = PagedEntries(cache.idx_kv[layer], tables["c4"], bs, num_tokens // ratio)
             self.idx_comp = _comp_view(cache.idx_comp[layer], held.state_slot, ratio)
 
+    @classmethod
+    def window_only(cls, cache: "PagedCache", pool: CacheRows, win_table: torch.Tensor, num_tokens: int
+                    ) -> "PagedLayerState":
+        """A window-only layer over ``pool`` (an MTP layer's ring), with its ``num_tokens``."""
+        st = cls.__new__(cls)
+        st.bs, st.ring, st.window = cache.config.block_size, cache.geometry.ring_len, cache.args.sliding_window
+        st.win_pool, st.win_table = pool, win_table
+        st.cmp_kv = st.comp = st.idx_kv = st.idx_comp = st.comp_pool = st.idx_comp_pool = None
+        st.num_tokens = num_tokens
+        return st
+
     def ring_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """Flat window-pool rows of token ``positions`` (long) in this request's ring."""
         return slot_mapping(self.win_table, self.bs, positions % self.ring)

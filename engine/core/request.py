@@ -60,6 +60,8 @@ class Sequence:
     scheduled_time: float | None = None   # first admitted to the running batch (monotonic s)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)   # MTP drafts for the next decode step
+    spec_k: int = 0               # drafts the current step verifies (run after the pending token)
 
     @property
     def num_tokens(self) -> int:
@@ -75,11 +77,14 @@ class Sequence:
         return self.num_pending > 1 or not self.output_ids
 
     def token(self, i: int) -> int:
+        """Token ``i`` of prompt + output, then of the drafts."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+        if i < n:
+            return self.prompt_ids[i]
+        return self.output_ids[i - n] if i - n < len(self.output_ids) else self.draft_ids[i - self.num_tokens]
 
     def pending_ids(self, count: int) -> list[int]:
-        """The next ``count`` tokens to run."""
+        """The next ``count`` tokens to run (past the pending ones: the drafts)."""
         return [self.token(i) for i in range(self.num_computed, self.num_computed + count)]
 
 

@@ -2,7 +2,8 @@
 
 Each step (vLLM v1 / nano-vllm style; fixes upstream-baseline.md §4.3's livelock and dropped
 retractions):
-  1. every running request with one pending token decodes; if its state cannot grow, the latest
+  1. every running request with one pending token decodes (with its MTP drafts after it, when
+     their room fits: ``engine.core.spec_decode``); if its state cannot grow, the latest
      arrived running request in the same pools (under attention DP: on the same rank) is
      preempted (state freed, re-queued to recompute), possibly itself;
   2. running requests still prefilling get chunks, FIFO, within ``max_prefill_tokens``;
@@ -94,6 +95,9 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.order):
             if seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
                 continue
+            k = len(seq.draft_ids)
+            if k and not self.cache.can_allocate(seq.seq_id, seq.num_tokens + k):
+                seq.draft_ids, k = [], 0           # no room to verify drafts: decode plainly
             while not self.cache.can_allocate(seq.seq_id, seq.num_tokens):
                 rank = self.cache.rank_of(seq.seq_id)        # only a request on its rank frees its room
                 victim = max((s for s in self.running if self.cache.rank_of(s.seq_id) == rank),
@@ -103,9 +107,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                self.blocks.allocate(seq.seq_id, seq.num_tokens)
+                self.blocks.allocate(seq.seq_id, seq.num_tokens + k)
+                seq.spec_k = k
                 batch.seqs.append(seq)
-                batch.num_tokens.append(1)
+                batch.num_tokens.append(1 + k)
         # 2. prefill chunks of running requests
         budget = self.limits.max_prefill_tokens
         for seq in sorted(self.running, key=lambda s: s.order):
@@ -140,6 +145,7 @@ class Scheduler:
         self.blocks.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
+        seq.draft_ids, seq.spec_k = [], 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING

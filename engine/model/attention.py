@@ -35,6 +35,8 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int, state: CompressorState, out_dtype: torch.dtype) -> torch.Tensor:
         """x ``[T, H]`` -> new entries ``[n_new, dim]`` (RMSNormed, roped at ``ratio * i``)."""
+        if state.journal is not None:
+            state.journal.append((self, x, start_pos, out_dtype))
         n_new = num_new_entries(start_pos, x.shape[0], self.ratio)
         first = start_pos // self.ratio
         cos, sin = self.rope.cos_sin(torch.arange(first, first + n_new, device=x.device) * self.ratio)

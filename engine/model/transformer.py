@@ -66,7 +66,17 @@ def _add_hc_head(module: nn.Module, args: ModelArgs) -> None:
 
 
 class MTPBlock(Block):
-    """Multi-token prediction layer (§3.8): window-only block on ``e_proj(enorm(emb)) + h_proj(hnorm(h))``."""
+    """Multi-token prediction layer (§3.8): one window-only block drafting the token after next.
+
+    Checked against DeepSeek's own V4 ``inference/model.py`` (``MTPBlock.forward``, several public
+    copies agree) and vLLM's ``deepseek_v4_mtp.py``: the input is the trunk's last Block output
+    *streams* ``[T, n, H]`` (before the main hc_head and final norm), normed per stream by
+    ``hnorm``; ``e_proj(enorm(embed(t+1)))`` is broadcast over the streams and added to
+    ``h_proj`` of each stream; then one Block (ratio 0: window only, main RoPE, MoE with bias) at
+    the positions of the input hidden states, and the shared head after this block's own hc_head
+    and ``norm``. DeepSeek's code has no draft loop; for chained drafts (next_n > 1) this block's
+    own output streams are the next draft's input, as vLLM's DeepSeek-V4 MTP proposer chains it.
+    """
 
     def __init__(self, args: ModelArgs, rope: RotaryTable, dtype: torch.dtype, ops: Ops):
         super().__init__(args, 0, False, rope, dtype, ops)
@@ -78,15 +88,27 @@ class MTPBlock(Block):
         self.h_proj = Linear(H, H, dtype, ops)
         _add_hc_head(self, args)
 
-    def forward_mtp(self, emb_next: torch.Tensor, h_main: torch.Tensor, tokens_next: torch.Tensor,
-                    positions: torch.Tensor, start_pos: int, state: LayerState, cos, sin) -> torch.Tensor:
-        """emb_next ``[T, H]`` (embedding of token t+1), h_main ``[T, H]`` (normed trunk output) -> ``[T, H]``."""
+    def forward_mtp(self, streams: torch.Tensor, emb_next: torch.Tensor, tokens_next: torch.Tensor,
+                    positions: torch.Tensor, spans: list[tuple[int, int, int]], states: list[LayerState],
+                    cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed rows of several sequences (``spans`` / ``states`` as ``Block.forward``; ``states``
+        their MTP window states, updated in place).
+
+        Args:
+            streams: ``[T, n, H]`` fp32: row t's trunk output streams (or this block's, chaining).
+            emb_next: ``[T, H]`` compute dtype, the embedding of row t's next token ``tokens_next``.
+            positions: ``[T]`` int64, the positions of the input hidden states.
+        Returns:
+            (``[T, n, H]`` fp32 output streams, ``[T, H]`` compute-dtype hidden for the shared head).
+        """
         a = self.args
-        z = self.e_proj(self.enorm(emb_next)) + self.h_proj(self.hnorm(h_main))
-        X = z.float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
-        X = self.forward(X, tokens_next, positions, [(0, X.shape[0], start_pos)], [state], cos, sin)
-        h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return self.norm(h).to(self.dtype)
+        T, n, H = streams.shape
+        e = self.e_proj(self.enorm(emb_next))                                           # [T, H]
+        h = self.h_proj(self.hnorm(streams.reshape(T * n, H)).to(self.dtype)).view(T, n, H)
+        X = (e.unsqueeze(1) + h).float()
+        X = self.forward(X, tokens_next, positions, spans, states, cos, sin)
+        hid = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
+        return X, self.norm(hid).to(self.dtype)
 
 
 class Transformer(nn.Module):
@@ -152,7 +174,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int],
-                      layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+                      layer_hook: Callable[[int], None] | None = None, streams: bool = False):
         """Run a batch of sequences packed into one token row (chunked prefill and decode mixed).
 
         Sequence i contributes ``lengths[i]`` consecutive tokens at positions
@@ -162,8 +184,10 @@ class Transformer(nn.Module):
         Args:
             tokens: ``[sum(lengths)]`` int64. states: one per sequence. lengths: tokens per sequence.
             layer_hook: called with ``i`` after layer ``i`` ran (its state is final for this step).
+            streams: also return the last Block's output streams (the MTP layer's input).
         Returns:
-            ``[sum(lengths), H]`` final hidden states, compute dtype. No sequences (``tokens`` ``[0]``)
+            ``[sum(lengths), H]`` final hidden states, compute dtype (with ``streams``: and
+            ``[sum(lengths), n, H]`` fp32 streams before hc_head). No sequences (``tokens`` ``[0]``)
             runs every layer on zero rows: an idle attention-DP rank still joins the collectives.
         Raises:
             ValueError: an empty sequence, a sequence longer than ``max_position_embeddings``, or a
@@ -202,7 +226,41 @@ class Transformer(nn.Module):
         for st, n in zip(states, lengths):
             st.num_tokens += n
         h = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return self.norm(h).to(self.dtype)
+        h = self.norm(h).to(self.dtype)
+        return (h, X) if streams else h
+
+    @torch.no_grad()
+    def forward_mtp(self, streams: torch.Tensor, tokens_next: torch.Tensor, states: list, lengths: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run MTP layer 0 over packed rows: sequence i's ``lengths[i]`` rows at positions
+        ``states[i].num_tokens ..`` (its MTP window state; it advances by its length).
+
+        Args:
+            streams: ``[sum(lengths), n, H]`` fp32 input streams (``forward_batch(streams=True)``
+                rows, or ``forward_mtp``'s own output when chaining drafts).
+            tokens_next: ``[sum(lengths)]`` int64, each row's next token.
+            states: per sequence, an MTP window ``LayerState`` with a ``num_tokens`` attribute.
+        Returns:
+            (output streams ``[sum(lengths), n, H]`` fp32, hidden ``[sum(lengths), H]`` for ``logits``).
+        Raises:
+            ValueError: the model has no MTP layer (loaded without it), or lengths / rows disagree.
+        """
+        if not len(self.mtp):
+            raise ValueError("forward_mtp: the model was loaded without its MTP layer (next_n 0)")
+        if len(states) != len(lengths) or sum(lengths) != tokens_next.shape[0]:
+            raise ValueError(f"forward_mtp: {len(states)} states, lengths {lengths} for {tokens_next.shape[0]} rows")
+        spans, pos, off = [], [], 0
+        for st, n in zip(states, lengths):
+            spans.append((off, n, st.num_tokens))
+            pos.append(torch.arange(st.num_tokens, st.num_tokens + n, device=tokens_next.device))
+            off += n
+        positions = torch.cat(pos)
+        cos, sin = self.rope_main.cos_sin(positions)
+        out = self.mtp[0].forward_mtp(streams, self.embed_tokens(tokens_next), tokens_next, positions, spans,
+                                      states, cos, sin)
+        for st, n in zip(states, lengths):
+            st.num_tokens += n
+        return out
 
     # embedding / LM-head tensor parallelism (``engine.parallel.shard.EmbedTP`` / ``LMHeadTP``):
     # (model, x) -> what ``embed_tokens`` / ``logits`` return, from this rank's vocab slice with

@@ -1,0 +1,213 @@
+"""MTP speculative decoding: draft next_n tokens with the MTP layer, verify them in one target step.
+
+reference/dsv4-architecture.md §3.8 (the MTP layer), reference/upstream-parallel-and-mtp.md (MTP
+section). One decode step of a request with drafts ``d_1 .. d_k`` runs the trunk over the span
+``[t_L, d_1 .. d_k]`` at positions ``L .. L+k`` (the chunked-prefill path: an entry compressed
+from a window is visible only to positions past its last token, the staircase mask), samples
+every row, and keeps the longest prefix whose drafts equal the samples plus the first sample
+past it. Each row is sampled exactly as a plain decode step samples that position (same
+params, history and per-(seed, position) draw: ``engine.core.sampler``), so greedy and seeded
+outputs are token-for-token those of next_n 0, and the output distribution is the target
+model's. For the greedy (one-hot) drafts used here this is speculative rejection sampling with
+the draws shared: a draft is accepted with probability ``p(d)`` and, when rejected, the token
+comes from ``p`` without ``d``, renormalised (Leviathan et al. 2023, with ``q`` one-hot).
+
+What a rejected draft wrote is never read or is undone (``Rollback``): window ring rows past
+the accepted length lie in slots the ring (``ring_len >= sliding_window + next_n``) does not
+read again before they are rewritten; compressed entries and indexer keys past the accepted
+length lie past the entry counts (derived from the token count); compressor remainders are
+restored and the accepted rows replayed when a rejected token closed a window.
+
+The MTP layer keeps its own window ring (``PagedCache.mtp_win``). After each step it runs over
+the positions the trunk just computed (prefill: the prompt's last ``sliding_window`` only),
+pairing position q's trunk streams with token q+1; its output at the last position drafts
+``d_1``, and further drafts chain on its own output streams (vLLM's DeepSeek-V4 MTP chaining).
+Chained rows are written to the MTP ring but not committed: the next step rewrites them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.core.llm_engine import LLMEngine
+    from engine.core.request import Sequence
+
+
+@dataclass
+class SpecStats:
+    """Cumulative counts, as vLLM names them (``spec_decode_*``): verify steps that carried
+    drafts, drafts proposed, drafts accepted, and accepted per draft position (1-based order)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts (0 before any)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify step: 1 + accepted drafts per step (1 before any)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def num_accepted(sampled: list[int], drafts: list[int]) -> int:
+    """Length of the longest prefix of ``drafts`` equal to ``sampled`` (the target's tokens)."""
+    a = 0
+    while a < len(drafts) and sampled[a] == drafts[a]:
+        a += 1
+    return a
+
+
+class Rollback:
+    """Undo what the rejected tail of a verify span did to one request's compressor remainders.
+
+    Made before the span runs over ``state`` (a ``PagedSequenceState`` at L = its ``num_tokens``;
+    ``span`` tokens). A compressor whose window does not close inside the span needs nothing: its
+    kept rows are exact and the rest lie past the remainder. One whose window closes gets its
+    rows ``(L + j) % m`` and previous-window ``Ca / Za`` saved (``span`` rows, not the whole ring)
+    and its inputs journalled; ``apply(keep)`` restores them and replays the first ``keep``.
+    """
+
+    def __init__(self, state, span: int):
+        self.L, self.span, self.saved = state.num_tokens, span, []
+        L = self.L
+        for layer in state.layers:
+            for comp in (layer.comp, layer.idx_comp):
+                if comp is None:
+                    continue
+                m = comp.kv.shape[0]
+                if (L + span) // m == L // m:
+                    continue
+                idx = torch.arange(L, L + span, device=comp.kv.device) % m
+                prev = None if comp.prev_kv is None else (comp.prev_kv.clone(), comp.prev_score.clone())
+                comp.journal = []
+                self.saved.append((comp, idx, comp.kv[idx].clone(), comp.score[idx].clone(), prev))
+
+    def apply(self, keep: int) -> None:
+        """``keep`` (1 .. span) tokens of the span were accepted: make every remainder what
+        running only those would have left. Ends the journalling either way."""
+        for comp, idx, kv, score, prev in self.saved:
+            journal, comp.journal = comp.journal, None
+            m = comp.kv.shape[0]
+            if keep == self.span or (self.L + self.span) // m == (self.L + keep) // m:
+                continue                     # no window closed in the rejected tail
+            comp.kv[idx], comp.score[idx] = kv, score
+            if prev is not None:
+                comp.prev_kv.copy_(prev[0])
+                comp.prev_score.copy_(prev[1])
+            for compressor, x, start_pos, out_dtype in journal:
+                compressor(x[:keep], start_pos, comp, out_dtype)      # its entries are already stored
+
+
+class SpecDecoder:
+    """The engine's MTP drafting and verification (``LLMEngine.spec`` when next_n > 0).
+
+    Per step: ``begin`` (before the trunk forward: the states, with a ``Rollback`` for each
+    request verifying drafts), ``accept`` (per request after sampling), ``draft`` (after the
+    tokens are appended: the MTP catch-up over the step's positions and the next drafts).
+    """
+
+    def __init__(self, engine: "LLMEngine", next_n: int):
+        if not len(engine.model.mtp):
+            raise ValueError("next_n > 0 needs the model's MTP layer (load it with mtp=True)")
+        self.engine, self.next_n = engine, next_n
+        self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * next_n)
+        self._rollback: dict[str, Rollback] = {}
+        self._rows: list[tuple["Sequence", int, int]] = []     # (seq, first hidden row, first position)
+
+    def max_drafts(self, seq: "Sequence") -> int:
+        """Drafts worth verifying for ``seq``: all its emitted tokens must fit max_new_tokens and
+        the context limit (a verify step emits up to drafts + 1)."""
+        p, lim = seq.params, self.engine.limits
+        return max(0, min(self.next_n, p.max_new_tokens - len(seq.output_ids) - 1,
+                          lim.max_model_len - seq.num_tokens - 1))
+
+    def begin(self, batch) -> list:
+        """The batch's states for the trunk forward; a ``Rollback`` per request with drafts."""
+        cache = self.engine.cache
+        states, self._rollback, self._rows, off = [], {}, [], 0
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            st = cache.sequence_state(s.seq_id, s.num_computed)
+            if s.spec_k:
+                self._rollback[s.seq_id] = Rollback(st, n)
+            states.append(st)
+            self._rows.append((s, off, s.num_computed))
+            off += n
+        return states
+
+    def accept(self, seq: "Sequence", sampled: list[int]) -> int:
+        """Drafts of ``seq`` accepted given its rows' samples (``len(drafts) + 1``); rolls the
+        state back past them and counts them. Returns the number accepted."""
+        drafts = seq.draft_ids[: seq.spec_k]
+        a = num_accepted(sampled, drafts)
+        rb = self._rollback.pop(seq.seq_id, None)
+        if rb is not None:
+            rb.apply(a + 1)
+        if drafts:
+            self.stats.record(len(drafts), a)
+        seq.draft_ids, seq.spec_k = [], 0
+        return a
+
+    @torch.no_grad()
+    def draft(self, streams: torch.Tensor) -> None:
+        """MTP catch-up over this step's computed positions, then the next drafts.
+
+        ``streams``: the trunk forward's output streams ``[T, n, H]`` fp32 (``begin``'s rows).
+        A request takes part while it holds state (running, or held for export) and the step
+        computed positions of its last ``sliding_window``; it drafts when its next step decodes.
+        """
+        eng = self.engine
+        cache, W = eng.cache, eng.model.args.sliding_window
+        rows, toks, states, lengths, seqs = [], [], [], [], []
+        for s, off, p0 in self._rows:
+            if s.seq_id not in cache.seqs or not (s.seq_id in eng.seqs or s.seq_id in eng.held):
+                continue
+            L1 = s.num_computed
+            q0 = max(p0, L1 - W)
+            if q0 >= L1:
+                continue
+            rows.append(torch.arange(off + q0 - p0, off + L1 - p0))
+            toks += [s.token(q + 1) for q in range(q0, L1)]
+            states.append(cache.mtp_state(s.seq_id, q0))
+            lengths.append(L1 - q0)
+            seqs.append(s)
+        self._rows = []
+        if not states:
+            return
+        dev = streams.device
+        X, hid = eng.executor.forward_mtp(streams[torch.cat(rows).to(dev)],
+                                          torch.tensor(toks, dtype=torch.long, device=dev), states, lengths)
+        ends = torch.tensor(lengths).cumsum(0) - 1
+        pick = [i for i, s in enumerate(seqs) if s.num_pending == 1 and self.max_drafts(s)]
+        if not pick:
+            return
+        seqs = [seqs[i] for i in pick]
+        last = ends[pick].to(dev)
+        X, hid = X[last], hid[last]
+        want = [self.max_drafts(s) for s in seqs]
+        out: list[list[int]] = [[] for _ in seqs]
+        mtp = [states[i] for i in pick]
+        for k in range(max(want)):
+            tok = torch.argmax(eng.executor.logits(hid), dim=-1)         # greedy drafts (first max)
+            for j, t in enumerate(tok.tolist()):
+                if k < want[j]:
+                    out[j].append(t)
+            if k + 1 == max(want):
+                break
+            X, hid = eng.executor.forward_mtp(X, tok, mtp, [1] * len(mtp))   # chained: not committed
+        for s, d in zip(seqs, out):
+            s.draft_ids = d
