@@ -18,7 +18,7 @@ from engine.cache_dtype import CacheDtype
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
-from engine.core.pd_state import state_tensors
+from engine.core.pd_state import load_mtp_state_tensors, mtp_state_tensors, state_tensors
 from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
 from engine.core.sampler import sample
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
@@ -159,7 +159,12 @@ class LLMEngine:
         """A held request (``hold_state``, finished) and its state tensors (``state_tensors``
         at L = prompt length: the sampled first token is not yet in the state). Raises KeyError."""
         seq = self.held[request_id]
-        return seq, state_tensors(self.cache, request_id, seq.num_computed)
+        return seq, {**state_tensors(self.cache, request_id, seq.num_computed), **self.mtp_state(request_id)}
+
+    def mtp_state(self, request_id: str) -> dict[str, torch.Tensor]:
+        """A held request's MTP window rings (``mtp_state_tensors``; {} without MTP): final once
+        the step that sampled its first token ran (its drafts: the held ``Sequence.draft_ids``)."""
+        return mtp_state_tensors(self.cache, request_id, self.held[request_id].num_computed) if self.spec else {}
 
     def layer_state(self, request_id: str, num_tokens: int, layer: int) -> dict[str, torch.Tensor]:
         """Layer ``layer`` of a request's state after ``num_tokens`` tokens (``state_tensors``
@@ -205,26 +210,40 @@ class LLMEngine:
                 nothing is written then.
         """
         seq = self.reserved[request_id]
+        mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
         try:
-            self.executor.load_state(request_id, seq.num_computed, tensors, layers)
+            if mtp and self.spec is None:
+                raise ValueError(f"MTP state {sorted(mtp)[:2]} for an engine without MTP (next_n 0)")
+            if len(mtp) < len(tensors) or not mtp:
+                self.executor.load_state(request_id, seq.num_computed,
+                                         {k: v for k, v in tensors.items() if k not in mtp}, layers)
+            if mtp:
+                load_mtp_state_tensors(self.cache, request_id, seq.num_computed, mtp)
         except ValueError as e:
             raise RequestError(f"state: {e}") from None
 
-    def commit(self, request_id: str, first_token: int) -> None:
-        """A reserved request whose whole state is loaded joins the running batch with token #1.
+    def commit(self, request_id: str, first_token: int, draft_ids: list[int] = ()) -> None:
+        """A reserved request whose whole state is loaded joins the running batch with token #1
+        (and, with MTP, the drafts prefill made after it, its MTP rings loaded).
 
         Decoding continues exactly as if this engine had prefilled it (same seed -> same tokens).
-        Raises KeyError (not reserved), RequestError (bad token; the reservation is kept).
+        Raises KeyError (not reserved), RequestError (bad token or drafts; the reservation is kept).
         """
         seq = self.reserved[request_id]
-        if not isinstance(first_token, int) or not 0 <= first_token < self.model.args.vocab_size:
+        V = self.model.args.vocab_size
+        if not isinstance(first_token, int) or not 0 <= first_token < V:
             raise RequestError(f"first_token: {first_token!r} is not a token id")
+        if draft_ids and (self.spec is None or len(draft_ids) > self.spec.next_n
+                          or any(not isinstance(t, int) or not 0 <= t < V for t in draft_ids)):
+            raise RequestError(f"draft_ids: {list(draft_ids)[:8]!r} are not up to next_n "
+                               f"{self.spec.next_n if self.spec else 0} token ids")
         del self.reserved[request_id]
         self.scheduler.num_reserved = len(self.reserved)
         self.seqs[request_id] = seq
         seq.scheduled_time = time.monotonic()
         self.scheduler.add_running(seq)
         out = self._append(seq, Sampled(first_token), time.monotonic())
+        seq.draft_ids = list(draft_ids)[: self.spec.max_drafts(seq)] if self.spec and not out.finished else []
         if out.finished:
             self._finished_out.append(out)
 

@@ -165,5 +165,38 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
                 comp.prev_score.copy_(tensors[f"layers.{l}.{name}.prev_score"])
 
 
+# ---- the MTP layers' window rings (next_n > 0): final only after the step that drafts ----------
+def mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int) -> dict[str, torch.Tensor]:
+    """``mtp.k.win_kv``: MTP layer k's ring rows of positions L-n .. L-1, n = min(L, W-1), as
+    stored (what the first verify step's MTP catch-up reads). Empty without MTP pools."""
+    out: dict[str, torch.Tensor] = {}
+    for k in range(len(cache.mtp_win)):
+        st = cache.mtp_state(seq_id, num_tokens, k)
+        pos = torch.arange(num_tokens - min(num_tokens, st.window - 1), num_tokens, device=st.win_pool.device)
+        out.update(part_names(f"mtp.{k}.win_kv", st.win_pool.gather(st.ring_rows(pos))))
+    return out
+
+
+def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``mtp_state_tensors`` output into ``seq_id``'s MTP rings.
+
+    Raises:
+        ValueError: names, shapes or dtypes other than this cache's MTP rings take (nothing written).
+    """
+    n = min(num_tokens, cache.args.sliding_window - 1)
+    want = {part_name(f"mtp.{k}.win_kv", i): sd for k in range(len(cache.mtp_win))
+            for i, sd in enumerate(cache.kv_codec.part_shapes(n))}
+    if set(tensors) != set(want):
+        raise ValueError(f"MTP state for L={num_tokens}: expected {sorted(want)}, got {sorted(tensors)}")
+    for name, (shape, dtype) in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"state tensor {name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    for k in range(len(cache.mtp_win)):
+        st = cache.mtp_state(seq_id, num_tokens, k)
+        pos = torch.arange(num_tokens - n, num_tokens, device=st.win_pool.device)
+        st.win_pool.scatter(st.ring_rows(pos), _parts(tensors, f"mtp.{k}.win_kv"))
+
+
 def _parts(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in (tensors[name], tensors.get(part_name(name, 1))) if t is not None)

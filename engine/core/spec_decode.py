@@ -131,10 +131,13 @@ class SpecDecoder:
 
     def max_drafts(self, seq: "Sequence") -> int:
         """Drafts worth verifying for ``seq``: all its emitted tokens must fit max_new_tokens and
-        the context limit (a verify step emits up to drafts + 1)."""
+        the context limit (a verify step emits up to drafts + 1); a request held for export
+        (prefill role) drafts for the decode side, whose commit cuts them to its own limits."""
         p, lim = seq.params, self.engine.limits
-        return max(0, min(self.next_n, p.max_new_tokens - len(seq.output_ids) - 1,
-                          lim.max_model_len - seq.num_tokens - 1))
+        room = lim.max_model_len - seq.num_tokens - 1
+        if seq.hold_state:           # prefill role: the decode side applies max_new_tokens (``commit``)
+            return max(0, min(self.next_n, room))
+        return max(0, min(self.next_n, p.max_new_tokens - len(seq.output_ids) - 1, room))
 
     def begin(self, batch) -> list:
         """The batch's states for the trunk forward; a ``Rollback`` per request with drafts."""
