@@ -99,6 +99,11 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         raise ConfigError(f"model_config.model_path: {str(path)!r} is not a checkpoint directory")
     plat = detect(device)
     _check_ranks(cfg)
+    if cfg.model_config.next_n and cfg.parallel_config.world_size > 1:
+        # the follower ranks would have to run the MTP layer and the verify rollback in lockstep
+        raise ConfigError(f"model_config.next_n: MTP speculative decoding runs on single-rank instances "
+                          f"(parallel_config.world_size 1) so far, got world_size "
+                          f"{cfg.parallel_config.world_size}; set next_n 0")
     cp, ex = cfg.model_config.custom_params, exec_config(cfg)
     if plat.kind == "npu":
         check_platform_version(cfg, plat.platform_version)
@@ -121,7 +126,10 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
                        mtp=cfg.model_config.next_n > 0)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
     engine = _size(cfg, model, path, executor)
-    if graph and ex.graph:
+    if graph and ex.graph and engine.spec is not None:
+        log.info("model_config.exe_mode %s: with next_n > 0 decode runs eager (the graph step takes one token "
+                 "per request)", ex.exe_mode)
+    elif graph and ex.graph:
         engine.runner = DecodeRunner(model, engine.cache, engine.limits.max_model_len, engine.limits.batch_size,
                                      plat, ex)
         engine.runner.warmup()
