@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from itertools import accumulate
+from dataclasses import replace
 
 import torch
 
@@ -18,8 +17,10 @@ from engine.cache_dtype import CacheDtype
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
+from engine.core.model_runner import forward_packed
 from engine.core.pd_state import load_mtp_state_tensors, mtp_state_tensors, state_tensors
-from engine.core.request import FinishReason, RequestOutput, Sequence, SeqStatus, finish_reason
+from engine.core.request import (FinishReason, RequestError, RequestOutput, Sequence, SeqStatus, StepStats,
+                                 check_request, finish_reason)
 from engine.core.sampler import sample
 from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerLimits
@@ -27,23 +28,6 @@ from engine.core.spec_decode import SpecDecoder
 from engine.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take; the message names the field (prompt, max_new_tokens, ...)."""
-
-
-@dataclass
-class StepStats:
-    """Cumulative wall time (s): scheduling, and running the batch (forward + logits + sampling;
-    ``sample_s`` is the sampling part of ``model_s``)."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    model_s: float = 0.0
-    sample_s: float = 0.0
-    tokens: int = 0
-    history: list[tuple[int, int, float, float]] = field(default_factory=list)  # (seqs, tokens, sched_s, model_s)
 
 
 class LLMEngine:
@@ -129,30 +113,11 @@ class LLMEngine:
 
     def _check_new(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                    output_ids: list[int] = ()) -> None:
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestError(f"request_id: must be a non-empty string, got {request_id!r}")
-        if (request_id in self.seqs or request_id in self.held or request_id in self.reserved
-                or any(o.request_id == request_id for o in self._finished_out)):
-            raise RequestError(f"request_id: {request_id!r} is in use (queued, running, held or finishing)")
-        if not isinstance(params, SamplingParams):
-            raise RequestError("sampling_params: must be a SamplingParams")
-        V = self.model.args.vocab_size
-        for name, ids in (("prompt", prompt_ids), ("output_ids", output_ids)):
-            if not isinstance(ids, (list, tuple)):
-                raise RequestError(f"{name}: must be a list of token ids, got {type(ids).__name__}")
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-            if bad is not None:
-                raise RequestError(f"{name}: token ids must be Python ints, got {type(bad).__name__} {bad!r}")
-            bad = next((t for t in ids if not 0 <= t < V), None)
-            if bad is not None:
-                raise RequestError(f"{name}: token id {bad} is not in [0, {V})")
-        if not prompt_ids:
-            raise RequestError("prompt: must contain at least one token")
-        if len(prompt_ids) + len(output_ids) >= self.limits.max_model_len:
-            raise RequestError(f"prompt: {len(prompt_ids) + len(output_ids)} tokens leave no room to generate "
-                               f"within the context limit max_model_len={self.limits.max_model_len}")
-        if len(output_ids) >= params.max_new_tokens:
-            raise RequestError(f"output_ids: {len(output_ids)} tokens already reach max_new_tokens")
+        def in_use(rid: str) -> bool:
+            return (rid in self.seqs or rid in self.held or rid in self.reserved
+                    or any(o.request_id == rid for o in self._finished_out))
+        check_request(request_id, prompt_ids, params, output_ids, self.model.args.vocab_size,
+                      self.limits.max_model_len, in_use)
 
     # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
     def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
@@ -332,7 +297,8 @@ class LLMEngine:
         spec = self.spec
         try:
             if spec is None:
-                hidden = self._forward(batch, ids, tokens, hook)
+                hidden = forward_packed(self.executor, self.runner if hook is None else None, batch, ids,
+                                        tokens, hook)
             else:
                 hidden, streams = self.executor.forward_batch(tokens, spec.begin(batch), batch.num_tokens,
                                                               layer_hook=hook, streams=True)
@@ -384,38 +350,17 @@ class LLMEngine:
                 self._finish(s, FinishReason.ABORT)
                 continue
             if self.spec is not None:
-                a = self.spec.accept(s, [g.token_id for g in got])
-                s.num_computed += a
-                got = got[: a + 1]
-            out = None
+                got = got[: self.spec.accept(s, [g.token_id for g in got]) + 1]
+            out, kept = None, 0
             for smp in got:
                 o = self._append(s, smp, now)
-                out = o if out is None else _merge(out, o)
-                if o.finished:
+                out, kept = (o if out is None else out.merged(o)), kept + 1
+                if o.finished:          # a stop inside an accepted run: the rest is not kept
                     break
+            if self.spec is not None:
+                self.spec.settle(s, kept)
             outs.append(out)
         return outs
-
-    def _forward(self, batch, ids: list[int], tokens: torch.Tensor, hook) -> torch.Tensor:
-        """Hidden states ``[sum(num_tokens), H]`` of the packed batch (``ids``: its token ids on the
-        host, ``tokens`` on the device): eager, or with a graph runner its single-token rows
-        (decode) through the runner and the rest eager (prefill)."""
-        m, r = self.model, self.runner
-        one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if r is not None and hook is None else []
-        if not one:
-            states = [self.cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
-            return self.executor.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
-        offs = [0, *accumulate(batch.num_tokens)]
-        hidden = torch.empty(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
-        rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
-        if rest:
-            idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
-            states = [self.cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in rest]
-            hidden[idx] = self.executor.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
-        held = [self.cache.seqs[batch.seqs[i].seq_id] for i in one]
-        rows = [(ids[offs[i]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(one, held)]
-        hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = r.run(rows)
-        return hidden
 
     def _append(self, s: Sequence, smp: Sampled, now: float) -> RequestOutput:
         s.output_ids.append(smp.token_id)
@@ -463,8 +408,3 @@ class LLMEngine:
             self.step()
         return [seqs[r] for r in ids]
 
-
-def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One step's outputs of one request (``b`` after ``a``: several accepted tokens)."""
-    return replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_logprobs=a.new_logprobs + b.new_logprobs,
-                   queue_time_s=a.queue_time_s)

@@ -18,6 +18,7 @@ import importlib
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -172,6 +173,31 @@ class DecodeRunner:
         """
         B = self.bucket(len(rows))
         return self._fn(B)(*self._inputs(rows, B))[: len(rows)]
+
+
+def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor,
+                   hook=None) -> torch.Tensor:
+    """Hidden states ``[sum(num_tokens), H]`` of a scheduled batch (``ids``: its token ids on the
+    host, ``tokens`` on the device; ``hook``: the forward's layer hook): all eager through
+    ``executor``, or with a graph ``runner`` its single-token rows (decode) through the runner
+    and the rest eager (prefill)."""
+    cache = executor.cache
+    one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if runner is not None else []
+    if not one:
+        states = [cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
+        return executor.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
+    m = executor.model
+    offs = [0, *accumulate(batch.num_tokens)]
+    hidden = torch.empty(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
+    rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
+    if rest:
+        idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
+        states = [cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in rest]
+        hidden[idx] = executor.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
+    held = [cache.seqs[batch.seqs[i].seq_id] for i in one]
+    rows = [(ids[offs[i]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(one, held)]
+    hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = runner.run(rows)
+    return hidden
 
 
 def _npugraph_ex(fn, cfg: ExecConfig):

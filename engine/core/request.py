@@ -3,11 +3,45 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from engine.core.sampling_params import Sampled, SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; the message names the field (prompt, max_new_tokens, ...)."""
+
+
+def check_request(request_id, prompt_ids, params, output_ids, vocab_size: int, max_model_len: int,
+                  in_use: Callable[[str], bool]) -> None:
+    """A new request's fields (``LLMEngine.add_request`` / ``reserve``): a free non-empty string
+    id (``in_use``: whether the engine holds it), a ``SamplingParams``, token-id lists in
+    ``[0, vocab_size)``, a non-empty prompt leaving room under ``max_model_len``, and fewer
+    ``output_ids`` (a migrated stream's) than ``max_new_tokens``. Raises RequestError naming it."""
+    if not isinstance(request_id, str) or not request_id:
+        raise RequestError(f"request_id: must be a non-empty string, got {request_id!r}")
+    if in_use(request_id):
+        raise RequestError(f"request_id: {request_id!r} is in use (queued, running, held or finishing)")
+    if not isinstance(params, SamplingParams):
+        raise RequestError("sampling_params: must be a SamplingParams")
+    for name, ids in (("prompt", prompt_ids), ("output_ids", output_ids)):
+        if not isinstance(ids, (list, tuple)):
+            raise RequestError(f"{name}: must be a list of token ids, got {type(ids).__name__}")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise RequestError(f"{name}: token ids must be Python ints, got {type(bad).__name__} {bad!r}")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"{name}: token id {bad} is not in [0, {vocab_size})")
+    if not prompt_ids:
+        raise RequestError("prompt: must contain at least one token")
+    if len(prompt_ids) + len(output_ids) >= max_model_len:
+        raise RequestError(f"prompt: {len(prompt_ids) + len(output_ids)} tokens leave no room to generate "
+                           f"within the context limit max_model_len={max_model_len}")
+    if len(output_ids) >= params.max_new_tokens:
+        raise RequestError(f"output_ids: {len(output_ids)} tokens already reach max_new_tokens")
 
 
 class SeqStatus(enum.Enum):
@@ -100,3 +134,21 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     queue_time_s: float | None = None     # on the first token: arrival -> first scheduled (s)
+
+    def merged(self, later: "RequestOutput") -> "RequestOutput":
+        """This step's output followed by ``later`` (several accepted tokens in one step)."""
+        return replace(later, new_token_ids=self.new_token_ids + later.new_token_ids,
+                       new_logprobs=self.new_logprobs + later.new_logprobs, queue_time_s=self.queue_time_s)
+
+
+@dataclass
+class StepStats:
+    """Cumulative wall time (s): scheduling, and running the batch (forward + logits + sampling;
+    ``sample_s`` is the sampling part of ``model_s``)."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    model_s: float = 0.0
+    sample_s: float = 0.0
+    tokens: int = 0
+    history: list[tuple[int, int, float, float]] = field(default_factory=list)  # (seqs, tokens, sched_s, model_s)

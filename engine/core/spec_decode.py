@@ -117,8 +117,9 @@ class SpecDecoder:
     """The engine's MTP drafting and verification (``LLMEngine.spec`` when next_n > 0).
 
     Per step: ``begin`` (before the trunk forward: the states, with a ``Rollback`` for each
-    request verifying drafts), ``accept`` (per request after sampling), ``draft`` (after the
-    tokens are appended: the MTP catch-up over the step's positions and the next drafts).
+    request verifying drafts), ``accept`` and ``settle`` (per request, around appending the
+    tokens it keeps), ``draft`` (after: the MTP catch-up over the step's positions and the next
+    drafts).
     """
 
     def __init__(self, engine: "LLMEngine", next_n: int):
@@ -153,17 +154,22 @@ class SpecDecoder:
         return states
 
     def accept(self, seq: "Sequence", sampled: list[int]) -> int:
-        """Drafts of ``seq`` accepted given its rows' samples (``len(drafts) + 1``); rolls the
-        state back past them and counts them. Returns the number accepted."""
+        """Drafts of ``seq`` its rows' samples (``spec_k + 1`` of them) accept: the longest
+        matching prefix (``settle`` then records what was kept)."""
+        return num_accepted(sampled, seq.draft_ids[: seq.spec_k])
+
+    def settle(self, seq: "Sequence", kept: int) -> None:
+        """``kept`` (>= 1) tokens of ``seq``'s verify span were appended (fewer than accepted + 1
+        when one finished the request): the state counts the span's first ``kept`` tokens, is
+        rolled back past them, and the drafts kept are counted."""
         drafts = seq.draft_ids[: seq.spec_k]
-        a = num_accepted(sampled, drafts)
         rb = self._rollback.pop(seq.seq_id, None)
         if rb is not None:
-            rb.apply(a + 1)
+            rb.apply(kept)
+        seq.num_computed += kept - 1
         if drafts:
-            self.stats.record(len(drafts), a)
+            self.stats.record(len(drafts), kept - 1)
         seq.draft_ids, seq.spec_k = [], 0
-        return a
 
     @torch.no_grad()
     def draft(self, streams: torch.Tensor) -> None:
