@@ -1,7 +1,9 @@
 """MTP speculative decoding on ``dsv4-make-tiny --mtp-agree``, whose MTP layer drafts what the trunk
 predicts next: greedy drafts are accepted at >= 90% for next_n 1 and 3, the engine runs fewer
-target forwards than next_n 0, and the tokens are still next_n 0's (greedy and seeded). The
-checkpoint keeps the real layout and is the random one with only the documented changes."""
+target forwards than next_n 0, and the tokens are still next_n 0's (greedy and seeded); with drafts
+partly accepted the state stays byte-identical to next_n 0's (the random model's tests cover
+rejection only). The checkpoint keeps the real layout and is the random one with only the
+documented changes."""
 from __future__ import annotations
 
 import os
@@ -17,6 +19,7 @@ from engine.checkpoint.loader import load_model
 from engine.checkpoint.shards import scan_checkpoint
 from engine.config import ModelArgs
 from engine.core.llm_engine import LLMEngine
+from engine.core.pd_state import state_tensors
 from engine.core.sampling_params import SamplingParams
 
 PROMPTS = [[1000 + 7 * i for i in range(n)] for n in (3, 9, 17)]
@@ -122,3 +125,35 @@ def test_cli_flag_writes_the_same_checkpoint_in_the_original_layout(tiny_ckpt, t
     found = scan_checkpoint(out)
     assert {n: (t.dtype, t.shape) for n, t in found.items()} == \
         {n: (s.dtype, s.shape) for n, s in checkpoint_layout(args).items()}
+
+
+def test_state_after_partly_accepted_drafts_is_byte_identical(model):
+    """Seeded sampling at temperature 0.1: a greedy draft is accepted with the target's p(draft),
+    so verify steps keep 0 .. 3 of 3 drafts (the random model keeps ~0): the compressor remainders
+    are restored and the kept rows replayed. Across CSA windows and the HCA window at 128, the state
+    at each length both runs reach equals, byte for byte, next_n 0's."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1000, 60000, (118,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=20, temperature=0.1, seed=5, ignore_eos=True)
+
+    def states(next_n):
+        eng = LLMEngine.build(model, block_size=16, batch_size=1, max_prefill_tokens=256, max_model_len=256,
+                              num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=next_n)
+        eng.add_request("r", prompt, params)
+        out = {}
+        while eng.has_unfinished():
+            eng.step()
+            seq = eng.seqs.get("r")
+            if seq is not None:
+                out[seq.num_computed] = state_tensors(eng.cache, "r", seq.num_computed)
+        return out, eng
+    plain, _ = states(0)
+    spec, eng = states(3)
+    st = eng.spec.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens and 0 < st.num_accepted_tokens_per_pos[-1]
+    common = sorted(set(plain) & set(spec))
+    assert len(common) >= 5 and max(common) > 128
+    for L in common:
+        assert plain[L].keys() == spec[L].keys()
+        for k in plain[L]:
+            assert torch.equal(plain[L][k], spec[L][k]), (L, k)
