@@ -157,3 +157,23 @@ def test_state_after_partly_accepted_drafts_is_byte_identical(model):
         assert plain[L].keys() == spec[L].keys()
         for k in plain[L]:
             assert torch.equal(plain[L][k], spec[L][k]), (L, k)
+
+
+@pytest.mark.xfail(strict=True, raises=IndexError,
+                   reason="engine bug (reported): a held request's accepted drafts advance num_computed past "
+                          "the token #1 it keeps; SpecDecoder.draft then indexes past its tokens")
+def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(model):
+    """Prefill role (hold_state, max_new_tokens 1): a 64-token chunk leaves one prompt token of 65
+    pending, so the request drafts before its first sample (as a decode does) and the next step
+    verifies them; the agreeing model accepts them, but the request ends at token #1, so its held
+    state must be the prompt's (num_computed 65), ready for export, and the step must not fail."""
+    eng = LLMEngine.build(model, block_size=16, batch_size=2, max_prefill_tokens=64, max_model_len=256,
+                          num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=3)
+    prompt = [1000 + 7 * i for i in range(65)]
+    eng.add_request("r", prompt, SamplingParams(max_new_tokens=1, temperature=0.0, seed=1), hold_state=True)
+    eng.step()
+    assert eng.seqs["r"].num_computed == 64 and len(eng.seqs["r"].draft_ids) == 3
+    while eng.has_unfinished():
+        eng.step()
+    seq, _ = eng.export_state("r")
+    assert seq.num_computed == 65 and len(seq.output_ids) == 1
