@@ -2,7 +2,9 @@
 
 Gateway (per request, as the client sees it): TTFT, ITL, TPOT, E2E latency, queue time, token and
 request counters; and the prefill/decode pairs it will not route to (``incompatible_pairs``). Workers (per engine): running / waiting requests, state-pool usage, prefill time
-(prefill worker), and the KV-state transfer (bytes, latency, failures). Each process owns a
+(prefill worker), the KV-state transfer (bytes, latency, failures) and, with MTP (next_n > 0), the
+speculative-decoding counters (``spec_decode_*``, read from the engine's ``SpecStats`` at each
+scrape). Each process owns a
 ``CollectorRegistry`` so several apps in one process (tests) do not share counters.
 """
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvtransfer.compat import CAUSES
@@ -155,5 +157,38 @@ class WorkerMetrics:
         """cause: checksum | handshake | timeout | fenced | aborted | send | malformed."""
         self._transfer_failures.labels(*self._v, cause).inc()
 
+    def track_spec(self, stats: Callable[[], object]) -> None:
+        """Export vLLM's speculative-decoding counters, read at each scrape from ``stats()`` (the
+        engine's ``SpecStats``, ``engine.core.spec_decode``): ``dsv4:spec_decode_num_drafts_total``
+        (verify steps that carried drafts), ``_num_draft_tokens_total`` (drafts proposed),
+        ``_num_accepted_tokens_total`` (drafts accepted) and ``_num_accepted_tokens_per_pos_total``
+        (label ``position``, 0-based as vLLM's: drafts accepted at that draft position). Call once,
+        only when the engine drafts (next_n > 0), as vLLM exports them only with a drafter."""
+        self.registry.register(_SpecCollector(self._v, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecCollector:
+    """``dsv4:spec_decode_*`` counters computed at scrape time from the engine's cumulative
+    ``SpecStats`` (the engine counts; the worker loop need not feed anything)."""
+
+    def __init__(self, labels: tuple[str, str], stats: Callable[[], object]):
+        self.labels, self.stats = list(labels), stats
+
+    def collect(self):
+        st, lbl = self.stats(), ["model_name", "role"]
+        per_pos = list(st.num_accepted_tokens_per_pos)   # a copy: the engine thread may append meanwhile
+        for name, doc, value in (
+                ("num_drafts", "Verify steps that carried draft tokens (MTP)", st.num_drafts),
+                ("num_draft_tokens", "Draft tokens proposed (MTP)", st.num_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted", st.num_accepted_tokens)):
+            c = CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=lbl)
+            c.add_metric(self.labels, value)
+            yield c
+        c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted, by draft position (0-based)", labels=lbl + ["position"])
+        for pos, n in enumerate(per_pos):
+            c.add_metric(self.labels + [str(pos)], n)
+        yield c

@@ -30,13 +30,15 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """Factory: ``tiny_ckpt(preset, seed)`` -> path of a tiny checkpoint (cached per session)."""
-    cache: dict[tuple[str, int], object] = {}
+    """Factory: ``tiny_ckpt(preset, seed, mtp_agree=False)`` -> path of a tiny checkpoint (cached
+    per session; ``mtp_agree``: ``dsv4-make-tiny --mtp-agree``, an MTP layer the trunk agrees with)."""
+    cache: dict[tuple[str, int, bool], object] = {}
 
-    def get(preset: str = "flash", seed: int = 1):
-        key = (preset, seed)
+    def get(preset: str = "flash", seed: int = 1, mtp_agree: bool = False):
+        key = (preset, seed, mtp_agree)
         if key not in cache:
-            cache[key] = make_tiny(preset, seed, tmp_path_factory.mktemp(f"tiny-{preset}-{seed}"))
+            name = f"tiny-{preset}-{seed}" + ("-agree" if mtp_agree else "")
+            cache[key] = make_tiny(preset, seed, tmp_path_factory.mktemp(name), mtp_agree=mtp_agree)
         return cache[key]
 
     return get

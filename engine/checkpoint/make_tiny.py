@@ -9,6 +9,13 @@ window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 has
 hash routing, HCA with score routing) + MTP and 8 routed experts: 2.9 GB, for tests and benchmarks
 of the real shapes on CPU.
 
+``--mtp-agree`` writes a checkpoint whose MTP layer drafts what the trunk will predict next, so
+speculative decoding accepts most drafts (a random MTP layer's drafts are never accepted): the
+trunk's block outputs (``wo_b``, ``w2``) get gain ``MTP_AGREE_EPS``, which makes its logits at a
+position nearly a function of that position's token (a bigram, perturbed by attention and MoE);
+the MTP layer is made exactly that function of its input token (``_agree_linear``,
+``_agree_plain``).
+
 Every FP8-quantised dim is a multiple of 128 or below 128: HF derives the FP8 block size from the
 scale grid and would mis-dequantise other shapes.
 """
@@ -58,6 +65,13 @@ PRESETS = {
 }
 GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
 SHARD_BYTES = 48 << 20
+# gain of the trunk's block outputs in an --mtp-agree checkpoint (on top of the 1/4 of a random
+# one). A power of two: the quantised weights are then exactly the random model's times eps (the
+# e8m0 / ue8m0 scales shift, the FP8 / FP4 codes stay). Flash seed 1, 6 prompts x 24 greedy tokens:
+# 2^-5 leaves 11 of 144 tokens off the bare bigram, 2^-6 5 (drafts accepted 0.94 at next_n 1, 0.925
+# at 3), 2^-7 3 (0.956 and 0.952): 2^-7 keeps acceptance clear of 90% on other prompts while the
+# trunk still departs from the bigram (and context still moves its logits, by ~0.01)
+MTP_AGREE_EPS = 2.0 ** -7
 
 
 def _plain_value(name: str, shape: tuple[int, ...], g: torch.Generator, args: ModelArgs) -> torch.Tensor:
@@ -79,9 +93,38 @@ def _plain_value(name: str, shape: tuple[int, ...], g: torch.Generator, args: Mo
     raise KeyError(f"no value rule for {name}")
 
 
-def iter_tensors(args: ModelArgs, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _agree_linear(name: str, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w`` (``[out, in]`` fp32, random) as an --mtp-agree checkpoint stores linear ``name``.
+
+    Trunk block outputs are scaled by ``eps``. In the MTP layer ``e_proj`` is the identity and
+    ``h_proj`` zero (its input is then ``enorm(embed(t+1))`` alone, broadcast over the streams),
+    and its block outputs are zero: the streams it hands to hc_head are that input, so its logits
+    are ``head(norm(embed(t+1)))`` up to the RMS scale, the trunk's logits at the next position
+    with every block output at zero. Identity and zeros survive FP8 / MXFP4 quantisation exactly.
+    """
+    if name.startswith("mtp."):
+        if name.endswith("e_proj"):
+            return torch.eye(w.shape[0], w.shape[1])
+        if name.endswith(("h_proj", "wo_b", "w2")):
+            return torch.zeros_like(w)
+        return w
+    return w * eps if name.endswith(("wo_b", "w2")) else w
+
+
+def _agree_plain(name: str, t: torch.Tensor, main_norm: torch.Tensor | None) -> torch.Tensor:
+    """A plain tensor of an --mtp-agree checkpoint: the MTP ``enorm`` is 1 (``e_proj`` sees the
+    RMS-normalised embedding) and its shared-head ``norm`` is the trunk's ``norm.weight``."""
+    if name.startswith("mtp.") and name.endswith(".enorm.weight"):
+        return torch.ones_like(t)
+    if name.startswith("mtp.") and name.endswith(".norm.weight") and main_norm is not None:
+        return main_norm.clone()
+    return t
+
+
+def iter_tensors(args: ModelArgs, seed: int, mtp_agree: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every checkpoint tensor of ``args`` with seeded random values, stored as the real model stores
-    them, one at a time (linears first, then the plain tensors, in layout order)."""
+    them, one at a time (linears first, then the plain tensors, in layout order). ``mtp_agree``:
+    the same random draws, then the changes of an --mtp-agree checkpoint (module docstring)."""
     g = torch.Generator().manual_seed(seed)
     layout = checkpoint_layout(args)
     dtypes = {BF16: torch.bfloat16, F32: torch.float32, I64: torch.int64, F8: torch.float8_e4m3fn,
@@ -102,6 +145,8 @@ def iter_tensors(args: ModelArgs, seed: int) -> Iterator[tuple[str, torch.Tensor
         if gain != 1.0:
             w.mul_(gain)
         w.mul_(lin.in_features ** -0.5)
+        if mtp_agree:
+            w = _agree_linear(name, w, MTP_AGREE_EPS)
         if lin.kind == "fp8":
             stored = dict(zip(("weight", "scale"), quant_fp8_block(w, args.quant.weight_block_size)))
         elif lin.kind == "fp4":
@@ -111,15 +156,21 @@ def iter_tensors(args: ModelArgs, seed: int) -> Iterator[tuple[str, torch.Tensor
         del w                                   # no fp32 copy stays alive while the writer runs
         for suffix, t in stored.items():
             yield checked(f"{name}.{suffix}", t)
+    main_norm = None                    # "norm.weight" precedes the MTP tensors in layout order
     for name, spec in layout.items():
         if name not in done:
-            yield checked(name, _plain_value(name, spec.shape, g, args).to(dtypes[spec.dtype]))
+            t = _plain_value(name, spec.shape, g, args).to(dtypes[spec.dtype])
+            if mtp_agree:
+                t = _agree_plain(name, t, main_norm)
+            if name == "norm.weight":
+                main_norm = t
+            yield checked(name, t)
     assert done == layout.keys()
 
 
-def make_tensors(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:
+def make_tensors(args: ModelArgs, seed: int, mtp_agree: bool = False) -> dict[str, torch.Tensor]:
     """All checkpoint tensors of ``args`` (``iter_tensors``) in one dict."""
-    return dict(iter_tensors(args, seed))
+    return dict(iter_tensors(args, seed, mtp_agree))
 
 
 def write_shards(tensors: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], out: Path,
@@ -167,8 +218,10 @@ def copy_tokenizer(out: Path) -> None:
         shutil.copyfile(src / f, out / f)
 
 
-def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the ``preset`` (a key of ``PRESETS``) checkpoint with ``seed`` into ``out``.
+def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_BYTES,
+              mtp_agree: bool = False) -> Path:
+    """Write the ``preset`` (a key of ``PRESETS``) checkpoint with ``seed`` into ``out``;
+    ``mtp_agree``: an MTP layer that agrees with the trunk (module docstring, ``--mtp-agree``).
 
     Written into a temporary sibling directory and renamed at the end, so an interrupted run
     leaves no half checkpoint behind.
@@ -188,7 +241,7 @@ def make_tiny(preset: str, seed: int, out: str | Path, shard_bytes: int = SHARD_
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         raw = PRESETS[preset]
-        write_shards(iter_tensors(ModelArgs.from_dict(raw), seed), tmp, shard_bytes)
+        write_shards(iter_tensors(ModelArgs.from_dict(raw), seed, mtp_agree), tmp, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
         copy_tokenizer(tmp)
@@ -209,16 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="flash")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--mtp-agree", action="store_true",
+                   help="an MTP layer drafting what the trunk predicts next (speculative decoding accepts "
+                        "most drafts), with the trunk's block outputs scaled down")
     a = p.parse_args(argv)
     try:
-        path = make_tiny(a.preset, a.seed, a.out)
+        path = make_tiny(a.preset, a.seed, a.out, mtp_agree=a.mtp_agree)
     except ValueError as e:
         print(f"dsv4-make-tiny: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"dsv4-make-tiny: error: --out {a.out}: cannot write there ({e.strerror or e})", file=sys.stderr)
         return 2
-    print(f"wrote tiny {a.preset} checkpoint (seed {a.seed}) to {path}")
+    kind = " --mtp-agree" if a.mtp_agree else ""
+    print(f"wrote tiny {a.preset}{kind} checkpoint (seed {a.seed}) to {path}")
     return 0
 
 

@@ -8,6 +8,8 @@ Each sample's prompt (``engine.tools.dataset.build_prompt``) is tokenised, middl
 chat (non-thinking) mode by DeepSeek's own format library (``deepseek_recipe``) and queued; all samples run through continuous batching.
 One output line per sample, in dataset order: id, prompt / output token counts, output ids, text,
 finish reason, TTFT and per-token latencies in seconds (from the moment the sample was queued).
+The summary printed last is one JSON line; with ``model_config.next_n > 0`` it has a ``spec_decode``
+object (MTP drafts proposed and accepted, acceptance rate, mean acceptance length: ``spec_summary``).
 Exit codes: 0 done, 2 bad arguments / config / dataset (the message names the flag or key).
 """
 from __future__ import annotations
@@ -48,9 +50,21 @@ def encode_sample(tok: Tokenizer, enc: dr.DeepseekV4Encoding, text: str, max_len
     return enc.encode(conv)
 
 
+def spec_summary(stats, next_n: int) -> dict:
+    """The summary's ``spec_decode`` object from an engine's ``SpecStats``: counts as vLLM names
+    them, ``acceptance_rate`` (accepted / proposed drafts, 0..1) and ``mean_acceptance_length``
+    (tokens per verify step, 1 + accepted drafts per step), both rounded to 4 decimals."""
+    return {"next_n": next_n, "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(stats.num_accepted_tokens_per_pos),
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 4)}
+
+
 def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: int | None = None,
         progress: bool = True) -> dict:
-    """Run the dataset; write ``out``; return a summary (samples, tokens, seconds, tokens/s)."""
+    """Run the dataset; write ``out``; return a summary (samples, tokens, seconds, tokens/s, and
+    with next_n > 0 the MTP acceptance: ``spec_summary``)."""
     samples = load_dataset(dataset)[:limit]
     eng = build_engine(cfg, model_dir, progress=progress)
     tok = Tokenizer(model_dir or cfg.model_config.model_path)
@@ -88,9 +102,13 @@ def run(cfg: RunConfig, model_dir: str | None, dataset: str, out: str, limit: in
                       "token_latencies_s": [round(b - a, 6) for a, b in zip(times, times[1:])]})
     _write_jsonl(Path(out), lines)
     n_out = sum(x["output_tokens"] for x in lines)
-    return {"samples": len(lines), "prompt_tokens": sum(x["prompt_tokens"] for x in lines), "output_tokens": n_out,
-            "seconds": round(wall, 3), "output_tokens_per_s": round(n_out / wall, 2) if wall else None,
-            "preemptions": eng.scheduler.num_preemptions}
+    summary = {"samples": len(lines), "prompt_tokens": sum(x["prompt_tokens"] for x in lines),
+               "output_tokens": n_out, "seconds": round(wall, 3),
+               "output_tokens_per_s": round(n_out / wall, 2) if wall else None,
+               "preemptions": eng.scheduler.num_preemptions}
+    if eng.spec is not None:
+        summary["spec_decode"] = spec_summary(eng.spec.stats, eng.spec.next_n)
+    return summary
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:

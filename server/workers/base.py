@@ -115,6 +115,8 @@ class Worker:
         self.handshake = handshake_fields(opts.transport, self.fingerprint, self.layout,
                                           str(engine.model.embed.weight.device))
         self.metrics = WorkerMetrics(opts.model_name, self.role)
+        if engine.spec is not None:          # MTP: the spec_decode_* counters, read from the engine's stats
+            self.metrics.track_spec(lambda: engine.spec.stats)
         self.ctx = zmq.Context()         # its own: close() terms it, which flushes the last replies
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)

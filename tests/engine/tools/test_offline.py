@@ -43,6 +43,7 @@ def test_offline_outputs_match_the_engine_run_alone(config_file, tmp_path):
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["samples"] == 4 and summary["output_tokens"] == 24
+    assert "spec_decode" not in summary                                  # next_n 0: no MTP figures
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     cfg = RunConfig.from_yaml(config_file)
     samples = load_dataset(SAMPLE)[:4]
@@ -94,3 +95,26 @@ def test_offline_bad_config_values_name_the_key(config_file, tmp_path, section, 
     r = _cli("--config", cfg, "--out", tmp_path / "o.jsonl", "--limit", 1)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_offline_summary_shows_mtp_acceptance(tiny_ckpt, tmp_path, monkeypatch):
+    """next_n 3 on the agreeing tiny model: the summary's spec_decode object is the engine's
+    SpecStats (counts, acceptance rate, mean acceptance length), and drafts were accepted."""
+    from engine.tools import offline
+    raw = yaml.safe_load((ROOT / "configs" / "tiny-flash.yaml").read_text())
+    raw["model_config"].update(model_path=str(tiny_ckpt("flash", 1, mtp_agree=True)), next_n=3)
+    raw["data_config"].update(dataset_path=str(SAMPLE), input_truncated_len=48)
+    raw["scheduler_config"].update(max_new_tokens=7, batch_size=2, max_prefill_tokens=256)
+    built = []
+    monkeypatch.setattr(offline, "build_engine", lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1])
+    summary = offline.run(RunConfig.from_dict(raw), None, str(SAMPLE), str(tmp_path / "o.jsonl"), limit=2,
+                          progress=False)
+    st = built[0].spec.stats
+    spec = summary["spec_decode"]
+    assert spec == {"next_n": 3, "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+                    "num_accepted_tokens": st.num_accepted_tokens,
+                    "num_accepted_tokens_per_pos": st.num_accepted_tokens_per_pos,
+                    "acceptance_rate": round(st.num_accepted_tokens / st.num_draft_tokens, 4),
+                    "mean_acceptance_length": round(1 + st.num_accepted_tokens / st.num_drafts, 4)}
+    assert spec["num_drafts"] >= 2 and spec["acceptance_rate"] >= 0.5
+    assert summary["output_tokens"] == 14
