@@ -37,9 +37,10 @@ the weights it keeps, the workspace of a step, and the decode state of one reque
   compressor-state slot (with next_n > 0 the ring and state keep the MTP groups), and with
   next_n > 0 the MTP layers' window rings (reference §4: ``ring_len`` rows per MTP layer, in the
   same ``win`` blocks as the trunk's ring; a P/D transfer ships their live min(L, W-1) rows as
-  ``mtp.k.win_kv``), counted once, apart from ``window``. KV rows and indexer-key entries are stored as ``Layout.cache_dtype`` says
-  (``engine.cache_dtype``: KV 1024 B bf16 / 640 B fp8 / 512 B HiF8 per row at head_dim 512,
-  indexer 256 B bf16 / 130 B int8 / 132 B fp8 / 128 B HiF8 per entry at index_head_dim 128).
+  ``mtp.k.win_kv``), counted once, apart from ``window``. KV rows and indexer-key entries are
+  stored as ``Layout.cache_dtype`` says (``engine.cache_dtype``: KV 1024 B bf16 / 640 B fp8 /
+  512 B HiF8 per row at head_dim 512, indexer 256 B bf16 / 130 B int8 / 132 B fp8 / 128 B HiF8
+  per entry at index_head_dim 128).
   The totals match reference/dsv4-architecture.md §4's rows (bf16, A3 default, 950 C8) up to
   the block rounding (HCA's 64 entries at 8K take a whole 128-entry block).
 """

@@ -43,10 +43,11 @@ class Action:
 
     load: write ``tensors`` of ``layer`` (None: the whole state, then commit with ``first_token``);
     commit: write ``tensors`` (the MTP state ``mtp.*``; None without MTP), then join with
-    ``first_token``. Both joins pass ``draft_ids`` (MTP drafts after token #1, [] without); cancel: free quietly; drop: ignore the message (``cause``:
-    fenced, unknown, or "" for a cancel of a retired id; the sender was told); fail: free, report
-    ``cause`` / ``message``. The id is retired already for every kind but load of one layer.
-    ``peer``: the sender to ack / nack; ``pending``: the transfer's record (None for drop).
+    ``first_token``. Both joins pass ``draft_ids`` (MTP drafts after token #1, [] without).
+    cancel: free quietly; drop: ignore the message (``cause``: fenced, unknown, or "" for a cancel
+    of a retired id; the sender was told); fail: free, report ``cause`` / ``message``. The id is
+    retired already for every kind but load of one layer. ``peer``: the sender to ack / nack;
+    ``pending``: the transfer's record (None for drop).
     """
 
     kind: str

@@ -158,7 +158,9 @@ class PrefillWorker(Worker):
         job.first_sent = True
         seq = e.held.get(rid)
         # MTP: the rows (copies) and drafts must be taken before ``release`` frees the held state
-        mtp, drafts = (e.mtp_state(rid), list(seq.draft_ids)) if e.spec is not None and seq is not None else (None, None)
+        mtp = drafts = None
+        if e.spec is not None and seq is not None:
+            mtp, drafts = e.mtp_state(rid), list(seq.draft_ids)
         e.release(rid)
         m = self.metrics
         if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
