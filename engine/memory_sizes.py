@@ -35,10 +35,12 @@ the weights it keeps, the workspace of a step, and the decode state of one reque
   layout (its ``Geometry``), in whole blocks as the engine allocates them: the window ring, CSA
   compressed KV + indexer keys and HCA compressed KV in blocks of ``block_size`` entries, the fp32
   compressor-state slot (with next_n > 0 the ring and state keep the MTP groups), and with
-  next_n > 0 the MTP layer's window ring (reference §4; the decode side holds it when it runs
-  MTP). KV rows and indexer-key entries are stored as ``Layout.cache_dtype`` says
-  (``engine.cache_dtype``: KV 1024 B bf16 / 640 B fp8 / 512 B HiF8 per row at head_dim 512,
-  indexer 256 B bf16 / 130 B int8 / 132 B fp8 / 128 B HiF8 per entry at index_head_dim 128).
+  next_n > 0 the MTP layers' window rings (reference §4: ``ring_len`` rows per MTP layer, in the
+  same ``win`` blocks as the trunk's ring; a P/D transfer ships their live min(L, W-1) rows as
+  ``mtp.k.win_kv``), counted once, apart from ``window``. KV rows and indexer-key entries are
+  stored as ``Layout.cache_dtype`` says (``engine.cache_dtype``: KV 1024 B bf16 / 640 B fp8 /
+  512 B HiF8 per row at head_dim 512, indexer 256 B bf16 / 130 B int8 / 132 B fp8 / 128 B HiF8
+  per entry at index_head_dim 128).
   The totals match reference/dsv4-architecture.md §4's rows (bf16, A3 default, 950 C8) up to
   the block rounding (HCA's 64 entries at 8K take a whole 128-entry block).
 """
@@ -224,13 +226,15 @@ def state_per_request(args: ModelArgs, lay: Layout, tokens: int) -> dict[str, in
     kv = kv_row_bytes(lay.cache_dtype.kv, args.head_dim, args.qk_rope_head_dim, lay.act_bytes)
     idx = indexer_row_bytes(lay.cache_dtype.indexer, args.index_head_dim, lay.act_bytes)
     c4 = g.blocks_needed("c4", tokens) * lay.block_size * len(g.csa_layers)      # CSA entries, all layers
+    # the win blocks hold the MTP rings too (``Geometry.bytes_per_block``): split them out, once
+    mtp = g.mtp_layers * g.ring_len * kv
     return {
-        "window": g.blocks_needed("win", 0) * g.bytes_per_block("win", lay.act_bytes),
+        "window": g.blocks_needed("win", 0) * g.bytes_per_block("win", lay.act_bytes) - mtp,
         "csa_kv": c4 * kv,
         "indexer": c4 * idx,
         "hca_kv": g.blocks_needed("c128", tokens) * g.bytes_per_block("c128", lay.act_bytes),
         "compressor_state": g.state_bytes(),
-        "mtp_window": args.num_mtp_layers * g.ring_len * kv if lay.next_n else 0,
+        "mtp_window": mtp,
     }
 
 
@@ -243,5 +247,5 @@ def pool_overheads(args: ModelArgs, lay: Layout) -> tuple[int, int]:
     a = lay.act_bytes
     ring = g.blocks_needed("win", 0) * g.bytes_per_block("win", a) + g.state_bytes()
     scratch = ring + sum(g.bytes_per_block(p, a) // lay.block_size for p in GROWING)
-    one = ring + sum(g.bytes_per_block(p, a) for p in GROWING) + state_per_request(args, lay, 0)["mtp_window"]
+    one = ring + sum(g.bytes_per_block(p, a) for p in GROWING)          # ``ring``: the MTP rings included
     return scratch, scratch + lay.batch_per_rank * one

@@ -12,7 +12,8 @@ on the same fields, so a pair the gateway chooses is a pair the handshake accept
                                                    covers, named: ``kv_dtype``, ``cache_dtype``
                                                    (KV / indexer cache storage), ``config`` (a
                                                    short digest of config.json's keys),
-                                                   ``weights`` (``engine.checkpoint.digest``)
+                                                   ``weights`` (``engine.checkpoint.digest``),
+                                                   ``next_n`` (MTP depth; absent reads as 0)
 
 Imports nothing but the standard library, so the gateway process (which never loads torch) uses
 it as is.
@@ -20,7 +21,13 @@ it as is.
 from __future__ import annotations
 
 # a pair's first difference -> the ``cause`` label of the gateway's ``dsv4:incompatible_pairs``
-CAUSES = ("transport", "kv_dtype", "weights", "config", "layout")
+CAUSES = ("transport", "kv_dtype", "next_n", "weights", "config", "layout")
+
+# layout keys a side may leave out, and what that means (a worker without MTP states no next_n)
+LAYOUT_DEFAULTS = {"next_n": 0}
+# why a key matters, added to its refusal where the values alone do not say it
+_WHY = {"layout.next_n": "MTP draft tokens per step: a prefill running MTP ships its MTP window and drafts "
+                         "with the commit; both sides must run the same next_n"}
 
 
 def layout_diff(ours, theirs, path: str = "layout") -> list[tuple[str, object, object]]:
@@ -43,10 +50,14 @@ def handshake_diffs(mine: dict, theirs: dict) -> list[tuple[str, object, object]
     layout paths ("layout.weights", ...), and "fingerprint" only when nothing else explains it.
     Empty when the two sides may exchange state."""
     diffs = [(k, mine.get(k), theirs.get(k)) for k in ("transport", "backend") if mine.get(k) != theirs.get(k)]
-    diffs += layout_diff(mine.get("layout"), theirs.get("layout"))
+    diffs += layout_diff(_with_defaults(mine.get("layout")), _with_defaults(theirs.get("layout")))
     if not diffs and mine.get("fingerprint") != theirs.get("fingerprint"):
         diffs.append(("fingerprint", mine.get("fingerprint"), theirs.get("fingerprint")))
     return diffs
+
+
+def _with_defaults(layout):
+    return {**LAYOUT_DEFAULTS, **layout} if isinstance(layout, dict) else layout
 
 
 def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | None:
@@ -64,7 +75,8 @@ def handshake_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | No
             reasons.append(f"fingerprint differs: {them} runs model {str(b)[:16]}, {me} runs {str(a)[:16]} "
                            "(checkpoint config / kv dtype / state layout differ)")
         else:
-            reasons.append(f"{key} differs: {them} has {_short(b)}, {me} has {_short(a)}")
+            why = f" ({_WHY[key]})" if key in _WHY else ""
+            reasons.append(f"{key} differs: {them} has {_short(b)}, {me} has {_short(a)}{why}")
     if len(diffs) > 8:
         reasons.append(f"... and {len(diffs) - 8} more layout keys")
     return "; ".join(reasons) or None
@@ -80,6 +92,8 @@ def mismatch_cause(mine: dict, theirs: dict) -> str | None:
         return "transport"
     if any(k == "layout.kv_dtype" or k.startswith("layout.cache_dtype") for k, _, _ in diffs):
         return "kv_dtype"
+    if any(k == "layout.next_n" for k, _, _ in diffs):
+        return "next_n"
     for cause in ("weights", "config"):
         if any(k == f"layout.{cause}" for k, _, _ in diffs):
             return cause

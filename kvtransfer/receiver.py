@@ -4,7 +4,8 @@ A transfer id becomes *expected* when decode reserves state for it (before prefi
 expected ids are accepted; one that was cancelled, aborted, expired or completed is *retired* and
 never accepted again (fencing: a late write for a dead id can never land in a reused slot), and
 its sender gets a ``nack``. Layers may arrive in any order, each once; ``commit`` is accepted only
-when every layer has arrived. The header is the one the transport parsed (``Delivered.header``);
+when every layer has arrived, and carries no tensors but the MTP state (``mtp.*``, with
+``draft_ids``: ``kvtransfer.wire``). The header is the one the transport parsed (``Delivered.header``);
 tensors are checked (fingerprint, sizes, crc32) only for an expected id.
 """
 from __future__ import annotations
@@ -41,10 +42,12 @@ class Action:
     """What decode must do for one message. kind: load | commit | cancel | drop | fail.
 
     load: write ``tensors`` of ``layer`` (None: the whole state, then commit with ``first_token``);
-    commit: join with ``first_token``; cancel: free quietly; drop: ignore the message (``cause``:
-    fenced, unknown, or "" for a cancel of a retired id; the sender was told); fail: free, report
-    ``cause`` / ``message``. The id is retired already for every kind but load of one layer.
-    ``peer``: the sender to ack / nack; ``pending``: the transfer's record (None for drop).
+    commit: write ``tensors`` (the MTP state ``mtp.*``; None without MTP), then join with
+    ``first_token``. Both joins pass ``draft_ids`` (MTP drafts after token #1, [] without).
+    cancel: free quietly; drop: ignore the message (``cause``: fenced, unknown, or "" for a cancel
+    of a retired id; the sender was told); fail: free, report ``cause`` / ``message``. The id is
+    retired already for every kind but load of one layer. ``peer``: the sender to ack / nack;
+    ``pending``: the transfer's record (None for drop).
     """
 
     kind: str
@@ -52,6 +55,7 @@ class Action:
     layer: int | None = None
     tensors: dict[str, torch.Tensor] | None = None
     first_token: int | None = None
+    draft_ids: list[int] = field(default_factory=list)
     cause: str = ""
     message: str = ""
     peer: str = ""
@@ -175,13 +179,18 @@ class TransferReceiver:
                 return self._fail(tid, "whole state after per-layer messages")
             p.received = set(range(self.num_layers))
             self.retire(tid)                     # complete: nothing more may land for it
-            return Action("load", tid, tensors=tensors, first_token=header["first_token"])
+            return Action("load", tid, tensors=tensors, first_token=header["first_token"],
+                          draft_ids=header.get("draft_ids", []))
         # commit
         missing = sorted(set(range(self.num_layers)) - p.received)
         self.retire(tid)
         if missing or header["num_layers"] != self.num_layers:
             return Action("fail", tid, cause="malformed", message=f"commit with layers {missing[:4]} missing")
-        return Action("commit", tid, first_token=header["first_token"])
+        bad = [n for n in tensors if not n.startswith("mtp.")]
+        if bad:
+            return Action("fail", tid, cause="malformed", message=f"commit carries {bad[0]} (only mtp.* may)")
+        return Action("commit", tid, tensors=tensors or None, first_token=header["first_token"],
+                      draft_ids=header.get("draft_ids", []))
 
     def _fail(self, tid: str, message: str) -> Action:
         self.retire(tid)

@@ -6,7 +6,15 @@ is msgpack of plain types, tensor bytes are reinterpreted with the dtype the hea
 
 One transfer is either a single ``state`` message, or (pushed while prefill runs) one ``layer``
 message per layer as its state becomes final, then a ``commit`` carrying token #1 -- or a
-``cancel`` (prefill failed, or token #1 already ended the sample). Header fields:
+``cancel`` (prefill failed, or token #1 already ended the sample).
+
+MTP (``model_config.next_n`` > 0 on both sides, which the handshake layout's ``next_n`` enforces):
+the MTP layers' window rings become final only with the step that samples token #1 (the MTP
+catch-up pairs position L-1 with token #1), so they travel with the ``commit`` as its tensors
+(``mtp.k.win_kv`` [+ ``.scale``], ``engine.core.pd_state.mtp_state_tensors``), with
+``draft_ids``, the drafts prefill made after token #1 for decode's first verify step. A ``state``
+message carries both the same way. Without MTP a commit has no tensors and no ``draft_ids`` key:
+the bytes are those of a next_n 0 build. Header fields:
 
     v            format version (1)
     kind         state | layer | commit | cancel
@@ -16,6 +24,7 @@ message per layer as its state becomes final, then a ``commit`` carrying token #
     first_token  token #1, sampled by prefill                      (state, commit)
     layer        the layer index the tensors belong to             (layer)
     num_layers   layers the transfer carried                       (commit)
+    draft_ids    MTP drafts after token #1, <= MAX_DRAFTS token ids  (state, commit; optional)
     reason       why it was cancelled                              (cancel)
     tensors      [{name, dtype, shape, nbytes, crc32}] in frame order (empty for commit / cancel)
 """
@@ -33,6 +42,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn}
 _NAMES = {v: k for k, v in _DTYPES.items()}
 MAX_HEADER_BYTES = 1 << 20
+MAX_DRAFTS = 16          # draft_ids per message (DeepSeek-V4 drafts at most 3: engine.run_config.MAX_NEXT_N)
 
 
 class TransferError(ValueError):
@@ -56,9 +66,12 @@ KINDS = {"state": (("num_tokens", int), ("first_token", int)),
 
 
 def encode_state(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
-                 tensors: dict[str, torch.Tensor]) -> list[bytes | memoryview]:
-    """The whole state in one message: header frame + one zero-copy frame per tensor."""
-    return _encode("state", transfer_id, fingerprint, tensors, num_tokens=num_tokens, first_token=first_token)
+                 tensors: dict[str, torch.Tensor], draft_ids: list[int] | None = None) -> list[bytes | memoryview]:
+    """The whole state in one message: header frame + one zero-copy frame per tensor. With MTP
+    ``tensors`` include the ``mtp.*`` rows (``LLMEngine.export_state``) and ``draft_ids`` the
+    drafts after token #1 (None: no ``draft_ids`` key). Raises ValueError: over ``MAX_DRAFTS``."""
+    return _encode("state", transfer_id, fingerprint, tensors, num_tokens=num_tokens, first_token=first_token,
+                   **_drafts(None, draft_ids))
 
 
 def encode_layer(transfer_id: str, fingerprint: str, num_tokens: int, layer: int,
@@ -67,11 +80,30 @@ def encode_layer(transfer_id: str, fingerprint: str, num_tokens: int, layer: int
     return _encode("layer", transfer_id, fingerprint, tensors, num_tokens=num_tokens, layer=layer)
 
 
-def encode_commit(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
-                  num_layers: int) -> list[bytes | memoryview]:
-    """Ends a layer-by-layer transfer: all ``num_layers`` layers were sent; token #1."""
-    return _encode("commit", transfer_id, fingerprint, {}, num_tokens=num_tokens, first_token=first_token,
-                   num_layers=num_layers)
+def encode_commit(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int, num_layers: int,
+                  mtp: dict[str, torch.Tensor] | None = None, draft_ids: list[int] | None = None
+                  ) -> list[bytes | memoryview]:
+    """Ends a layer-by-layer transfer: all ``num_layers`` layers were sent; token #1.
+
+    MTP (both None without it: the message is then exactly a next_n 0 commit): ``mtp`` the MTP
+    window rows (``mtp.*`` tensors, final only now), ``draft_ids`` the drafts after token #1.
+    Raises ValueError: a tensor not named ``mtp.*``, or more than ``MAX_DRAFTS`` drafts.
+    """
+    bad = [n for n in (mtp or {}) if not n.startswith("mtp.")]
+    if bad:
+        raise ValueError(f"commit tensors: only the MTP state (mtp.*) travels with a commit, got {bad[0]!r}")
+    return _encode("commit", transfer_id, fingerprint, mtp or {}, num_tokens=num_tokens, first_token=first_token,
+                   num_layers=num_layers, **_drafts(mtp, draft_ids))
+
+
+def _drafts(mtp, draft_ids) -> dict:
+    """The optional ``draft_ids`` field: present once MTP state or drafts are sent."""
+    if mtp is None and draft_ids is None:
+        return {}
+    ids = list(draft_ids or ())
+    if len(ids) > MAX_DRAFTS:
+        raise ValueError(f"draft_ids: {len(ids)} drafts exceed {MAX_DRAFTS}")
+    return {"draft_ids": ids}
 
 
 def encode_cancel(transfer_id: str, fingerprint: str, reason: str) -> list[bytes | memoryview]:
@@ -109,6 +141,11 @@ def decode_header(frame: bytes | memoryview) -> dict:
     for key, typ in (("transfer_id", str), ("fingerprint", str), ("tensors", list)) + KINDS[h["kind"]]:
         if not isinstance(h.get(key), typ) or isinstance(h.get(key), bool):
             raise TransferError(f"header.{key}: missing or not {typ.__name__}")
+    if "draft_ids" in h:
+        d = h["draft_ids"]
+        if h["kind"] not in ("state", "commit") or not isinstance(d, list) or len(d) > MAX_DRAFTS or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in d):
+            raise TransferError(f"header.draft_ids: expected up to {MAX_DRAFTS} token ids on a state / commit")
     for i, m in enumerate(h["tensors"]):
         ok = (isinstance(m, dict) and isinstance(m.get("name"), str) and m.get("dtype") in _DTYPES
               and isinstance(m.get("shape"), list) and all(isinstance(x, int) and x >= 0 for x in m["shape"])

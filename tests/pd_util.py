@@ -4,6 +4,7 @@ workers hold no state."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import time
 
 import pytest
@@ -58,6 +59,22 @@ def assert_completions_match(pd: LocalPD, reference, cases, max_tokens: int) -> 
     for (n, temperature, seed), ids in zip(cases, got):
         p = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
         assert ids == reference.generate([rand_prompt(n, n)], p)[0].output_ids, (n, temperature)
+
+
+def state_payload_bytes(engine, num_tokens: int) -> int:
+    """Tensor bytes of one request's P/D transfer after ``num_tokens`` prompt tokens on ``engine``'s
+    model and caches: reference §4's live items (``expected_shapes``) and, when the engine runs MTP,
+    its window rows: min(L, W-1) rows per MTP layer as the KV cache stores them (``mtp.k.win_kv``)."""
+    from engine.core.pd_state import expected_shapes
+
+    def nbytes(shape, dtype) -> int:
+        return math.prod(shape) * dtype.itemsize
+
+    total = sum(nbytes(*sd) for sd in expected_shapes(engine.cache, num_tokens).values())
+    if engine.spec is not None:
+        rows = min(num_tokens, engine.model.args.sliding_window - 1)
+        total += engine.model.args.num_mtp_layers * sum(nbytes(*sd) for sd in engine.cache.kv_codec.part_shapes(rows))
+    return total
 
 
 def wait_idle(pd: LocalPD, names, timeout_s: float = 30) -> None:

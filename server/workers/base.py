@@ -17,16 +17,14 @@ here too (504), so a lost abort from the gateway cannot keep state forever.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import hmac
-import json
 import logging
 import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import uvicorn
 import zmq
@@ -38,9 +36,9 @@ from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
 from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
-from kvtransfer.wire import model_fingerprint
 from server.gateway.protocol import error_body
 from server.metrics import CONTENT_TYPE, WorkerMetrics
+from server.workers.layout import quantization_label, state_fingerprint
 from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
 
 log = logging.getLogger(__name__)
@@ -65,39 +63,6 @@ class WorkerOptions:
     drain_timeout_s: float = 30.0      # SIGTERM: in-flight samples get this long, then are aborted
     cluster_secret: str | None = None  # CURVE on every ZMQ socket, and HTTP needs "Bearer <secret>"
     weights_digest: str | None = None  # engine.checkpoint.digest: part of the fingerprint (None: unknown)
-
-
-def quantization_label(q) -> str:
-    """The checkpoint's weights: "bf16", the original "fp8-mxfp4" / "fp8", or a dsv4-convert-model type."""
-    if q is None:
-        return "bf16"
-    return q.quant_type or ("fp8-mxfp4" if q.expert_dtype == "fp4" else "fp8")
-
-
-def state_fingerprint(engine: LLMEngine, weights: str | None = None) -> tuple[str, dict]:
-    """The model fingerprint and state layout both sides of a transfer must agree on.
-
-    ``weights``: the checkpoint's weights digest (``engine.checkpoint.digest.weights_digest``:
-    "sha256:<hex>"; None: unknown, e.g. an engine built in-process from random weights).
-    The layout names what the fingerprint covers, so a refusal (the handshake's, or the gateway's
-    when it pairs instances: ``kvtransfer.compat``) says which part differs: ``kv_dtype`` (the
-    compute dtype the state is read in), ``cache_dtype`` (how the KV and indexer caches are
-    stored and travel: ``engine.cache_dtype``), ``config`` (sha256 of config.json's keys, 16 hex),
-    ``weights``; then the state's own format.
-
-    ``parallel.state`` "whole": a request's state travels unsharded from the prefill leader to the
-    decode leader (every rank holds it whole: attention is not sharded), so instances of any
-    parallel layouts pair (prefill CP 2 -> decode EP 2, ...). A sharded state would name its
-    sharding here and be refused at the handshake (``kvtransfer.interfaces``), never mid-transfer.
-    """
-    a = engine.model.args
-    config = a.to_dict()
-    blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()
-    layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
-              "parallel": {"state": "whole"}, "kv_dtype": str(engine.model.dtype).removeprefix("torch."),
-              "cache_dtype": engine.cache.cache_dtype.describe(),
-              "config": hashlib.sha256(blob).hexdigest()[:16], "weights": weights}
-    return model_fingerprint(config, engine.model.dtype, layout), layout
 
 
 class Worker:
@@ -373,11 +338,13 @@ class Worker:
 
         @app.get("/health")
         def health():
-            r, q = self.engine.runner, self.engine.model.args.quant
+            r, q, spec = self.engine.runner, self.engine.model.args.quant, self.engine.spec
             return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
                     "device": str(self.engine.model.embed.weight.device),
                     "quantization": quantization_label(q),
                     "cache_dtype": self.engine.cache.cache_dtype.describe(),
+                    # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
+                    "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
                                                      "warmup_s": round(r.warmup_s, 3)},

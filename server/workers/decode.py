@@ -8,6 +8,8 @@ prefill queued or computing for minutes keeps its reservation; if a lease runs o
 the gateway, no commit) the reservation is freed and the transfer id is fenced, so a late write
 never lands. Every message is checked (``kvtransfer.receiver``: fingerprint, sizes, crc32) before
 a byte is written; a bad one fails the sample (``error`` to the gateway, ``nack`` to prefill).
+With MTP (next_n > 0) the commit brings the MTP window rows, loaded before the sample joins the
+batch, and the drafts its first verify step checks.
 """
 from __future__ import annotations
 
@@ -223,13 +225,21 @@ class DecodeWorker(Worker):
                 self._fail(tid, "malformed", str(e), act.peer)
                 return
             if act.first_token is not None:          # a whole-state message: load + commit
-                self._commit(tid, act.first_token, act.pending, act.peer)
+                self._commit(tid, act)
         elif act.kind == "commit":
-            self._commit(tid, act.first_token, act.pending, act.peer)
+            self._commit(tid, act)
 
-    def _commit(self, tid: str, first_token: int, pending, peer: str) -> None:
+    def _commit(self, tid: str, act: Action) -> None:
+        """Join ``tid`` with token #1 (``act``: a commit, or a whole state already loaded); a
+        commit's tensors (the MTP rows) are loaded first. A decode running MTP takes only a
+        state with its MTP rows: drafting from another request's ring would waste every step."""
+        pending, peer = act.pending, act.peer
         try:
-            self.engine.commit(tid, first_token)
+            if act.kind == "commit" and act.tensors:
+                self.engine.load_state(tid, act.tensors)
+            if self.engine.spec is not None and not (act.tensors and any(k.startswith("mtp.") for k in act.tensors)):
+                raise RequestError(f"state: no MTP state (mtp.*) for a decode running next_n {self.engine.spec.next_n}")
+            self.engine.commit(tid, act.first_token, act.draft_ids)
         except RequestError as e:
             self._fail(tid, "malformed", str(e), peer)
             return

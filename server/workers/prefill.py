@@ -4,7 +4,9 @@ Per sample (``{"op": "prefill", "rid", "prompt_ids", "params", "dest"}`` from th
 the engine prefills it (``hold_state``, one token), each layer's state is pushed to ``dest`` (the
 decode reservation's receiver) as soon as that layer is final, token #1 goes to the gateway the
 moment it is sampled (``first``), then a commit (or, if token #1 already ends the sample, a
-cancel) follows the layers and prefill's own copy of the state is freed at once. Decode's ack
+cancel) follows the layers and prefill's own copy of the state is freed at once. With MTP
+(next_n > 0) the commit also carries the MTP window rows and the drafts made after token #1:
+both are final only after the step that sampled it (``kvtransfer.wire``). Decode's ack
 becomes ``transferred`` (bytes, seconds) to the gateway; a failure becomes ``error``.
 """
 from __future__ import annotations
@@ -155,6 +157,10 @@ class PrefillWorker(Worker):
             return                               # its gateway is gone: aborted and freed (``owner_gone``)
         job.first_sent = True
         seq = e.held.get(rid)
+        # MTP: the rows (copies) and drafts must be taken before ``release`` frees the held state
+        mtp = drafts = None
+        if e.spec is not None and seq is not None:
+            mtp, drafts = e.mtp_state(rid), list(seq.draft_ids)
         e.release(rid)
         m = self.metrics
         if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
@@ -167,9 +173,9 @@ class PrefillWorker(Worker):
             self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, f"finished: {reason.value}"))
             del self.jobs[rid]
             m.success(reason.value)
-        else:
-            self.pusher.put("commit", rid, job.dest, encode_commit(rid, self.fingerprint, job.num_tokens, tok,
-                                                                   self.num_layers))
+        else:        # built on the lane (the MTP rows' encoding and checksums off the engine loop)
+            self.pusher.put("commit", rid, job.dest, lambda: encode_commit(rid, self.fingerprint, job.num_tokens, tok,
+                                                                           self.num_layers, mtp, drafts))
 
     def _fail(self, rid: str, job: _Job, status: int, message: str) -> None:
         self.jobs.pop(rid, None)

@@ -227,7 +227,8 @@ def test_the_lm_heads_last_slice_is_padded_to_ceil_v_over_s(ckpt):
 def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dtype, cache):
     """A PagedCache holding exactly one request of ``tokens`` tokens, caches stored as ``cache``:
     its tensors' bytes are ``pool_bytes`` and, minus the scratch part, the plan's per-request
-    state (the MTP window ring aside: the engine does not hold one until it runs MTP)."""
+    state, each part once (with next_n > 0 the MTP window ring lives in the ``win`` blocks: it is
+    ``mtp_window``, not also in ``window``)."""
     import torch
 
     from engine.cache_dtype import CacheDtype
@@ -246,8 +247,9 @@ def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dt
     lay = Layout(act_bytes=dt.itemsize, next_n=next_n, cache_dtype=cd)
     plan, (scratch, _) = state_per_request(args, lay, tokens), pool_overheads(args, lay)
     assert allocated == pool_bytes(args, dt, cfg)
-    assert allocated - scratch == sum(plan.values()) - plan["mtp_window"]
-    assert (plan["mtp_window"] > 0) == (next_n > 0)
+    assert allocated - scratch == sum(plan.values())
+    mtp_pools = sum(t.numel() * t.element_size() for rows in cache_.mtp_win for t in rows.parts)
+    assert plan["mtp_window"] == mtp_pools // 2 and (mtp_pools > 0) == (next_n > 0)   # the request's ring + scratch
 
 
 def test_the_pools_minimum_is_what_plan_cache_refuses_below():

@@ -34,7 +34,34 @@ def test_the_reason_names_the_part_that_differs():
     assert mismatch_cause(good, _fields(config="c1")) == "config"
     assert mismatch_cause(good, _fields(block_size=32)) == "layout"
     assert mismatch_cause(good, {**good, "transport": "dist", "backend": "gloo"}) == "transport"
-    assert set(CAUSES) == {"transport", "kv_dtype", "weights", "config", "layout"}
+    assert set(CAUSES) == {"transport", "kv_dtype", "next_n", "weights", "config", "layout"}
+
+
+def test_a_next_n_difference_is_refused_as_next_n_and_a_missing_one_reads_as_0():
+    """A worker without MTP states no next_n (its layout and fingerprint are a next_n 0 build's):
+    it pairs with another such worker or one stating 0, and with no MTP worker."""
+    plain, zero, mtp3, mtp1 = _fields(), _fields(next_n=0), _fields(next_n=3), _fields(next_n=1)
+    assert pair_mismatch(plain, zero) is None and mismatch_cause(plain, zero) is None
+    assert pair_mismatch(mtp3, _fields(next_n=3)) is None
+    reason = pair_mismatch(mtp3, plain)
+    assert reason == ("layout.next_n differs: prefill has 3, decode has 0 (MTP draft tokens per step: a prefill "
+                      "running MTP ships its MTP window and drafts with the commit; both sides must run the same "
+                      "next_n)")
+    assert pair_mismatch(mtp3, mtp1).startswith("layout.next_n differs: prefill has 3, decode has 1 (MTP")
+    assert pair_mismatch(plain, mtp3).startswith("layout.next_n differs: prefill has 0, decode has 3 (MTP")
+    assert mismatch_cause(plain, mtp3) == mismatch_cause(mtp1, mtp3) == "next_n"
+    assert mismatch_cause(plain, _fields(next_n=3, weights=W2)) == "next_n"      # the first cause in CAUSES order
+
+
+@pytest.mark.parametrize("kind", ["zmq-tcp", "dist"])
+def test_the_handshake_refuses_another_next_n_in_the_gateways_words(net, kind):
+    rx = net.rx(kind, layout={**LAYOUT, "weights": W1})
+    tx = net.tx(kind, layout={**LAYOUT, "weights": W1, "next_n": 3})
+    gateway = pair_mismatch(handshake_fields(kind, FP, {**LAYOUT, "weights": W1, "next_n": 3}, "cpu"),
+                            handshake_fields(kind, FP, {**LAYOUT, "weights": W1}, "cpu"))
+    with pytest.raises(TransportError) as e:
+        tx.connect(rx.address, timeout_s=5)
+    assert gateway.startswith("layout.next_n differs: prefill has 3, decode has 0") and gateway in str(e.value)
 
 
 def test_the_fingerprint_is_named_only_when_nothing_else_explains_it():
