@@ -159,9 +159,6 @@ def test_state_after_partly_accepted_drafts_is_byte_identical(model):
             assert torch.equal(plain[L][k], spec[L][k]), (L, k)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="engine bug (reported): a held request's accepted drafts advance num_computed past "
-                          "the token #1 it keeps; SpecDecoder.draft then indexes past its tokens")
 def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(model):
     """Prefill role (hold_state, max_new_tokens 1): a 64-token chunk leaves one prompt token of 65
     pending, so the request drafts before its first sample (as a decode does) and the next step
