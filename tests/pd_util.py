@@ -3,6 +3,7 @@ token prompts, checking concurrent completions against an in-process engine, and
 workers hold no state."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import math
 import time
@@ -89,3 +90,31 @@ def wait_idle(pd: LocalPD, names, timeout_s: float = 30) -> None:
         if time.monotonic() > end:
             pytest.fail(f"state not freed: {busy}")
         time.sleep(0.1)
+
+
+async def collect_tokens(backend, reqs) -> list[list[int]]:
+    """Start ``backend`` (a ``server.backends.pd.PDBackend``), stream ``reqs`` (``GenRequest``s)
+    concurrently and return each one's token ids; the backend is closed after."""
+    await backend.start()
+    try:
+        assert await backend.wait_ready(30)
+
+        async def one(r):
+            ids = []
+            async for ev in backend.generate(r):
+                ids += ev.token_ids
+            return ids
+        return await asyncio.gather(*(one(r) for r in reqs))
+    finally:
+        await backend.close()
+
+
+def wait_incompatible_pair(pd, timeout_s: float = 60) -> dict:
+    """The gateway's /health once it reports an incompatible pair (it is up once one pair is,
+    before the other decode's pong arrives); fails the test after ``timeout_s``."""
+    import httpx
+    end = time.monotonic() + timeout_s
+    while not (h := httpx.get(pd.base_url + "/health", timeout=10).json())["incompatible_pairs"]:
+        assert time.monotonic() < end, h
+        time.sleep(0.1)
+    return h

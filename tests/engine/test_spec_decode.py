@@ -13,10 +13,10 @@ import torch
 from engine.checkpoint.loader import load_model
 from engine.core.block_manager import CacheConfig
 from engine.core.llm_engine import LLMEngine, RequestError
-from engine.core.pd_state import state_tensors
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.core.spec_decode import SpecDecoder, SpecStats, num_accepted
+from spec_util import assert_same_states, states_by_length
 
 
 @pytest.fixture(scope="module")
@@ -92,25 +92,11 @@ def test_state_after_rejected_drafts_is_byte_identical(model):
     prompt = _prompts(1, 118, 118, seed=3)[0]
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
 
-    def states(next_n):
-        eng = _engine(model, next_n)
-        eng.add_request("r", prompt, params)
-        out = {}
-        while eng.has_unfinished():
-            eng.step()
-            seq = eng.seqs.get("r")
-            if seq is not None:
-                out[seq.num_computed] = state_tensors(eng.cache, "r", seq.num_computed)
-        return out, eng
-    plain, _ = states(0)
-    spec, eng = states(3)
+    plain = states_by_length(_engine(model, 0), prompt, params)
+    eng = _engine(model, 3)
+    spec = states_by_length(eng, prompt, params)
     assert eng.spec.stats.num_draft_tokens > eng.spec.stats.num_accepted_tokens      # drafts were rejected
-    common = sorted(set(plain) & set(spec))
-    assert len(common) >= 10 and max(common) > 128
-    for L in common:
-        assert plain[L].keys() == spec[L].keys()
-        for k in plain[L]:
-            assert torch.equal(plain[L][k], spec[L][k]), (L, k)
+    assert_same_states(plain, spec, min_common=10, past=128)
 
 
 def test_mtp_pools_only_with_next_n(model):

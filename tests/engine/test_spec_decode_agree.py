@@ -19,7 +19,7 @@ from engine.checkpoint.loader import load_model
 from engine.checkpoint.shards import scan_checkpoint
 from engine.config import ModelArgs
 from engine.core.llm_engine import LLMEngine
-from engine.core.pd_state import state_tensors
+from spec_util import assert_same_states, states_by_length
 from engine.core.sampling_params import SamplingParams
 
 PROMPTS = [[1000 + 7 * i for i in range(n)] for n in (3, 9, 17)]
@@ -136,27 +136,15 @@ def test_state_after_partly_accepted_drafts_is_byte_identical(model):
     prompt = torch.randint(1000, 60000, (118,), generator=g).tolist()
     params = SamplingParams(max_new_tokens=20, temperature=0.1, seed=5, ignore_eos=True)
 
-    def states(next_n):
-        eng = LLMEngine.build(model, block_size=16, batch_size=1, max_prefill_tokens=256, max_model_len=256,
-                              num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=next_n)
-        eng.add_request("r", prompt, params)
-        out = {}
-        while eng.has_unfinished():
-            eng.step()
-            seq = eng.seqs.get("r")
-            if seq is not None:
-                out[seq.num_computed] = state_tensors(eng.cache, "r", seq.num_computed)
-        return out, eng
-    plain, _ = states(0)
-    spec, eng = states(3)
+    def engine(next_n):
+        return LLMEngine.build(model, block_size=16, batch_size=1, max_prefill_tokens=256, max_model_len=256,
+                               num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=next_n)
+    plain = states_by_length(engine(0), prompt, params)
+    eng = engine(3)
+    spec = states_by_length(eng, prompt, params)
     st = eng.spec.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens and 0 < st.num_accepted_tokens_per_pos[-1]
-    common = sorted(set(plain) & set(spec))
-    assert len(common) >= 5 and max(common) > 128
-    for L in common:
-        assert plain[L].keys() == spec[L].keys()
-        for k in plain[L]:
-            assert torch.equal(plain[L][k], spec[L][k]), (L, k)
+    assert_same_states(plain, spec, min_common=5, past=128)
 
 
 def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(model):

@@ -7,7 +7,6 @@ One cluster for the module: prefill0 and decode0 on configs/tiny-flash-mtp.yaml,
 configs/tiny-flash.yaml (next_n 0)."""
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
@@ -16,7 +15,8 @@ from engine.build import build_engine
 from engine.core.sampling_params import SamplingParams
 from engine.core.spec_decode import SpecStats
 from engine.run_config import RunConfig
-from pd_util import CONFIG, assert_completions_match, rand_prompt, start_pd, state_payload_bytes, wait_idle
+from pd_util import (CONFIG, assert_completions_match, rand_prompt, start_pd, state_payload_bytes, wait_idle,
+                     wait_incompatible_pair)
 
 MTP_CONFIG = "configs/tiny-flash-mtp.yaml"
 WORKERS = ("prefill0", "decode0", "decode1")
@@ -82,10 +82,7 @@ def test_mtp_streams_are_the_in_process_next_n_0_tokens_and_carry_the_mtp_state(
 
 
 def test_a_decode_with_another_next_n_is_never_paired(cluster):
-    end = time.monotonic() + 60                     # /health is up once one pair is: wait for decode1's pong
-    while not (h := httpx.get(cluster.base_url + "/health", timeout=10).json())["incompatible_pairs"]:
-        assert time.monotonic() < end, h
-        time.sleep(0.1)
+    h = wait_incompatible_pair(cluster)
     assert h["healthy"] and h["compatible_pairs"] == 1
     [bad] = h["incompatible_pairs"]
     cmd = cluster.cmds["decode1"]

@@ -18,7 +18,7 @@ import pytest
 from engine.build import build_engine
 from engine.core.sampling_params import SamplingParams
 from engine.run_config import RunConfig
-from pd_util import rand_prompt, state_payload_bytes
+from pd_util import collect_tokens, rand_prompt, state_payload_bytes
 from server.backends.base import GenRequest
 from server.backends.pd import PDBackend
 from server.launch.local import free_port
@@ -46,21 +46,6 @@ def record_drafts(engine, log: dict) -> None:
     engine.spec.accept = recording
 
 
-async def _collect(backend: PDBackend, reqs: list[GenRequest]) -> list[list[int]]:
-    await backend.start()
-    try:
-        assert await backend.wait_ready(30)
-
-        async def one(r):
-            ids = []
-            async for ev in backend.generate(r):
-                ids += ev.token_ids
-            return ids
-        return await asyncio.gather(*(one(r) for r in reqs))
-    finally:
-        await backend.close()
-
-
 def test_dist_pd_decode_verifies_the_in_process_drafts(ckpt):
     ref, want_drafts = _engine(ckpt), defaultdict(list)
     record_drafts(ref, want_drafts)
@@ -78,7 +63,7 @@ def test_dist_pd_decode_verifies_the_in_process_drafts(ckpt):
         t.start()
     try:
         backend = PDBackend([f"127.0.0.1:{prefill.opts.port}"], [f"127.0.0.1:{decode.opts.port}"])
-        got = asyncio.run(_collect(backend, reqs))
+        got = asyncio.run(collect_tokens(backend, reqs))
         for r, g, w in zip(reqs, got, want):
             assert g == w.output_ids, len(r.prompt_ids)
             # in process the first sampling step (prefill's) verifies nothing; every later step's

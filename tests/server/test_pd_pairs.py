@@ -9,7 +9,6 @@ request no compatible pair can serve is a 503 before any prefill (issue 21).
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.digest import weights_digest
 from engine.checkpoint.shards import scan_checkpoint
-from pd_util import CONFIG, assert_completions_match, start_pd
+from pd_util import CONFIG, assert_completions_match, start_pd, wait_incompatible_pair
 
 
 def perturbed_copy(src: str, dst: Path, name: str = "norm.weight") -> Path:
@@ -65,10 +64,7 @@ def test_a_decode_with_other_weights_is_never_chosen(ckpt, reference, tmp_path):
         hs = {n: pd.ready(n)["handshake"] for n in ("prefill0", "decode0", "decode1")}
         assert hs["decode1"]["layout"]["weights"] == weights_digest(ckpt).value == hs["prefill0"]["layout"]["weights"]
         assert hs["decode0"]["layout"]["weights"] == weights_digest(other).value != weights_digest(ckpt).value
-        end = time.monotonic() + 60             # /health is up once one pair is: wait for decode0's pong
-        while not (h := httpx.get(pd.base_url + "/health", timeout=10).json())["incompatible_pairs"]:
-            assert time.monotonic() < end, h
-            time.sleep(0.1)
+        h = wait_incompatible_pair(pd)
         assert h["healthy"] and h["compatible_pairs"] == 1
         [bad] = h["incompatible_pairs"]
         cmd = pd.cmds["decode0"]

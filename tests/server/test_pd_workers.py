@@ -25,6 +25,8 @@ from server.workers.decode import DecodeWorker
 from server.workers.prefill import PrefillWorker
 from server.workers.rpc import pack, params_to_dict, unpack
 
+from pd_util import collect_tokens
+
 TRANSPORTS = ["zmq-tcp", "zmq-ipc", "dist"]
 
 
@@ -76,21 +78,6 @@ def pd(request, ckpt):
     p.close()
 
 
-async def _collect(backend: PDBackend, reqs: list[GenRequest]) -> list[list[int]]:
-    await backend.start()
-    try:
-        assert await backend.wait_ready(30)
-
-        async def one(r):
-            ids = []
-            async for ev in backend.generate(r):
-                ids += ev.token_ids
-            return ids
-        return await asyncio.gather(*(one(r) for r in reqs))
-    finally:
-        await backend.close()
-
-
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1000, 60000, (n,), generator=g).tolist() for n in lengths]
@@ -104,7 +91,7 @@ def test_pd_tokens_equal_the_single_engine(pd, reference):
     params = [SamplingParams(max_new_tokens=10, temperature=0.0, seed=7),
               SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=1234)]
     reqs = [GenRequest(f"t-{uuid.uuid4().hex}", pr, p) for pr in prompts for p in params]
-    got = asyncio.run(_collect(pd.backend(), reqs))
+    got = asyncio.run(collect_tokens(pd.backend(), reqs))
     want = reference.generate([r.prompt_ids for r in reqs], [r.params for r in reqs])
     for r, g, w in zip(reqs, got, want):
         assert g == w.output_ids, (len(r.prompt_ids), r.params.temperature)
@@ -244,7 +231,7 @@ def test_unknown_instance_and_token_one_that_ends_the_sample(pd, reference):
     """max_new_tokens=1: token #1 from prefill ends it; decode's reservation is freed at once."""
     prompt = _prompts([40], seed=5)[0]
     req = GenRequest(f"one-{uuid.uuid4().hex}", prompt, SamplingParams(max_new_tokens=1, temperature=0.0, seed=3))
-    got = asyncio.run(_collect(pd.backend(), [req]))
+    got = asyncio.run(collect_tokens(pd.backend(), [req]))
     assert got[0] == reference.generate([prompt], req.params)[0].output_ids
     deadline = time.monotonic() + 5
     while not pd.idle() and time.monotonic() < deadline:
@@ -279,7 +266,7 @@ def test_bad_destination_fails_that_sample_only(pd, reference):
     finally:
         gw.close()
     req = GenRequest(f"ok-{uuid.uuid4().hex}", prompt, params)
-    assert asyncio.run(_collect(pd.backend(), [req]))[0] == reference.generate([prompt], params)[0].output_ids
+    assert asyncio.run(collect_tokens(pd.backend(), [req]))[0] == reference.generate([prompt], params)[0].output_ids
     assert pd.prefill.engine.num_free_blocks() == pd.prefill.engine.num_total_blocks()
 
 
