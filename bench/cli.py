@@ -3,6 +3,7 @@
     dsv4-bench serve  --base-url http://HOST:PORT ...   load the gateway (bench.serve_bench)
     dsv4-bench engine [--ckpt DIR] ...                   model step vs batch / context (bench.engine_bench)
     dsv4-bench gateway [--concurrency 1,64,512] ...      one gateway's text path, fake workers (bench.bench_gateway)
+    dsv4-bench census --config YAML [--preset P] ...     what a decode step runs, op by op (bench.census)
 
 Each subcommand prints a side-by-side table and writes JSON (``--help`` of each lists its flags).
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {"serve": "bench.serve_bench", "engine": "bench.engine_bench", "gateway": "bench.bench_gateway"}
+COMMANDS = {"serve": "bench.serve_bench", "engine": "bench.engine_bench", "gateway": "bench.bench_gateway",
+            "census": "bench.census"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ they write only scratch state. Letters: B rows, h heads, d head dim, W window, N
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 
 import torch
@@ -98,6 +99,8 @@ class StaticDecoder:
         p = self.platform
         self.side = p.new_stream() if multi_streams else None
         self.limit_core = limit_core and self.side is not None
+        # decided here, not in the step: a graph tracer need not follow inspect.unwrap
+        self.moe_kernel = inspect.unwrap(model.ops.moe_experts) is not reference.moe_experts
 
     # ---- streams (plain no-op contexts when off: nothing for a graph tracer to trip on) ----
     def _side(self):
@@ -249,8 +252,7 @@ class StaticDecoder:
         e = moe.experts
         with self._side():
             shared = moe.shared_experts(x) if moe.shared_experts is not None else None
-        kernel = moe.ops.moe_experts is not reference.moe_experts
-        if kernel and x.dtype in (torch.bfloat16, torch.float16) and e.fmt is None and e.w1.dtype == x.dtype \
+        if self.moe_kernel and x.dtype in (torch.bfloat16, torch.float16) and e.fmt is None and e.w1.dtype == x.dtype \
                 and e.act is None:
             # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
             # that contract it would fall back to reference.moe_experts, which syncs the host

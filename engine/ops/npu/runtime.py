@@ -19,6 +19,9 @@ HALF = (torch.bfloat16, torch.float16)
 BF16 = (torch.bfloat16,)
 _LOGGED: set[tuple[str, str]] = set()          # (op, reason) already logged
 _AVAILABLE: dict[str, bool] = {}               # api name -> present in this runtime
+# called as (op, reason) on every fallback, before the reference op runs (the op census,
+# ``bench.census``, attributes each fallback to the wrapper call that made it)
+FALLBACK_OBSERVERS: list = []
 
 
 def log_reference_op(op: str, reason: str) -> bool:
@@ -43,8 +46,11 @@ def log_fallback(op: str, reason: str) -> bool:
 
 
 def fallback(op: str, reason: str, *args):
-    """Log ``reason`` once for ``op``, then run the reference op of that name on ``args``."""
+    """Log ``reason`` once for ``op``, tell ``FALLBACK_OBSERVERS``, then run the reference op of
+    that name on ``args``."""
     log_fallback(op, reason)
+    for observe in FALLBACK_OBSERVERS:
+        observe(op, reason)
     return getattr(reference, op)(*args)
 
 

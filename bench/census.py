@@ -1,0 +1,194 @@
+"""``dsv4-bench census``: what one decode step runs, op by op, and how often it waits for the host.
+
+    dsv4-bench census --config configs/deepseek-v4-flash-a3-decode.yaml [--preset flash-real-width |
+                      --ckpt DIR] [--platform npu-stub|cpu] [--batch 4] [--context 300] [--steps 2]
+                      [--graph] [--json]
+
+Loads the checkpoint with the run config's dtype, cache dtypes and ``kernel_config`` onto the
+op table of ``--platform`` (``cpu``: the reference ops; ``npu-stub``: the Ascend wrappers of
+``engine.ops.npu`` over ``bench.npu_stub``, a contract stub of torch_npu / cann-recipes-infer's
+custom ops, so every wrapper's input checks run as on an A3 and each call's path is known).
+Then ``--batch`` requests of ``--context`` random tokens are prefilled through the serving engine
+(``LLMEngine``) and ``--steps`` full decode steps (scheduler + model + sampling) are counted:
+
+* per seam op (``engine.ops.Ops``): calls per decode step by path (kernel / reference /
+  fallback with the wrapper's reason), ``bench.census_count.OpRecorder``;
+* host syncs per decode step by kind and call site (``bench.census_count.SyncCounter``);
+* with ``--graph``: the same for one call of the graph-mode step (``StaticDecoder``, run eager),
+  and its graph breaks under ``torch._dynamo.explain``.
+
+``--preset`` writes that ``dsv4-make-tiny`` preset (seed 0) to a temporary directory first
+(flash-real-width: 2.9 GB, about a minute on 2 cores). Prints a table; ``--json`` prints the
+figures as JSON instead. Exit 2 on a bad flag or config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from bench.census_count import OpRecorder, SyncCounter
+
+PLATFORMS = ("npu-stub", "cpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dsv4-bench census", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="run config YAML (dtype, cache dtypes, kernel_config)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint directory")
+    src.add_argument("--preset", default="flash-real-width", help="dsv4-make-tiny preset written to a temp dir")
+    ap.add_argument("--platform", choices=PLATFORMS, default="npu-stub")
+    ap.add_argument("--batch", type=int, default=4, help="decode rows per step")
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=2, help="decode steps counted")
+    ap.add_argument("--graph", action="store_true", help="also count the graph-mode step and its graph breaks")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = ap.parse_args(argv)
+    for name in ("batch", "context", "steps"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    return a
+
+
+def _engine(model, cfg, batch: int, context: int, steps: int):
+    """An ``LLMEngine`` sized for ``batch`` requests of ``context + steps + 1`` tokens."""
+    from engine.core.llm_engine import LLMEngine
+
+    s, max_len = cfg.scheduler_config, context + steps + batch + 4
+    blocks = batch * (-(-max_len // (s.block_size * 4)) + 1)
+    return LLMEngine.build(model, block_size=s.block_size, batch_size=batch,
+                           max_prefill_tokens=max(context, 256), max_model_len=max_len,
+                           num_kv_blocks=max(4, blocks), cache_dtype=cfg.cache_dtype_for(model.args),
+                           next_n=cfg.model_config.next_n)
+
+
+def census(cfg, ckpt: Path, platform: str, batch: int, context: int, steps: int, graph: bool) -> dict:
+    """Count ``steps`` decode steps (see the module docstring); returns the figures as a dict:
+    ``ops`` (``OpRecorder.by_op`` per step), ``host_syncs_per_step``, ``sync_kinds`` /
+    ``sync_sites`` per step, and with ``graph`` a ``graph_step`` dict of the same plus
+    ``graph_breaks`` / ``break_reasons``."""
+    from engine.build import DTYPES
+    from engine.checkpoint.loader import load_model
+    from engine.core.sampling_params import SamplingParams
+    from engine.ops import ops_for
+
+    rec, syncs = OpRecorder(), SyncCounter()
+    with ExitStack() as stack:
+        if platform == "npu-stub":
+            from bench import npu_stub
+            from engine.ops.npu import runtime
+            npu_stub.install()
+            stack.callback(npu_stub.uninstall)
+            runtime.FALLBACK_OBSERVERS.append(rec.on_fallback)
+            stack.callback(runtime.FALLBACK_OBSERVERS.remove, rec.on_fallback)
+        cp = cfg.model_config.custom_params
+        ops = rec.table(ops_for("npu" if platform == "npu-stub" else "cpu", cp.kernel_config))
+        model = load_model(ckpt, dtype=DTYPES[cfg.model_config.dtype], ops=ops, progress=False,
+                           mtp=cfg.model_config.next_n > 0)
+        model.configure(cp.moe_chunk_max_len)
+        eng = _engine(model, cfg, batch, context, steps)
+        g = torch.Generator().manual_seed(0)
+        # room past the counted steps: a request prefilled one step earlier must not finish inside them
+        params = SamplingParams(max_new_tokens=steps + batch + 2, temperature=0, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(f"c{i}", torch.randint(2, model.args.vocab_size, (context,), generator=g).tolist(), params)
+        while any(s.num_pending > 1 or not s.output_ids for s in eng.seqs.values()):
+            eng.step()                                       # prefill, and each request's first token
+        rec.active = True
+        with syncs:
+            for _ in range(steps):
+                eng.step()
+        rec.active = False
+        out = _figures(rec, syncs, steps)
+        out.update(platform=platform, dtype=cfg.model_config.dtype, batch=batch, context=context, steps=steps,
+                   preset_layers=model.args.num_hidden_layers)
+        if graph:
+            out["graph_step"] = _graph_step(model, eng, rec, syncs)
+    return out
+
+
+def _figures(rec: OpRecorder, syncs: SyncCounter, per: int) -> dict:
+    return {"ops": rec.by_op(per), "host_syncs_per_step": syncs.total() / per,
+            "sync_kinds": {k: n / per for k, n in sorted(syncs.kinds.items())},
+            "sync_sites": {f"{k} @ {s}": n / per for (k, s), n in sorted(syncs.sites.items(), key=lambda x: -x[1])}}
+
+
+def _graph_step(model, eng, rec: OpRecorder, syncs: SyncCounter) -> dict:
+    """One eager call of the graph-mode ``StaticDecoder`` step over the engine's padded batch
+    (padding rows only: no request state is touched), counted; then its graph breaks."""
+    from engine.core.model_runner import DecodeRunner, ExecConfig
+    from engine.platform import detect
+
+    runner = DecodeRunner(model, eng.cache, eng.limits.max_model_len, eng.limits.batch_size, detect("cpu"),
+                          ExecConfig(exe_mode="npugraph_ex"))
+    B = runner.buckets[-1]
+    inputs = runner._inputs([], B)
+    rec.reset()
+    syncs.reset()
+    rec.active = True
+    with syncs:
+        runner.static(*inputs)
+    rec.active = False
+    out = _figures(rec, syncs, 1)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(runner.static.__call__)(*inputs)
+    out["graph_breaks"] = ex.graph_break_count
+    out["break_reasons"] = sorted({str(r.reason).splitlines()[0] for r in ex.break_reasons})
+    return out
+
+
+def table(fig: dict) -> str:
+    """The figures as a fixed-width text table."""
+    lines = [f"op census: platform {fig['platform']}, dtype {fig['dtype']}, batch {fig['batch']}, context "
+             f"{fig['context']}, {fig['preset_layers']} layers; calls per decode step"]
+    for title, f in (("eager step", fig), ("graph step (StaticDecoder)", fig.get("graph_step"))):
+        if f is None:
+            continue
+        lines += ["", f"{title}:", f"{'op':<20}{'kernel':>8}{'reference':>11}{'fallback':>10}  fallback reasons"]
+        for op, row in f["ops"].items():
+            fb = row["fallback"]
+            lines.append(f"{op:<20}{row['kernel']:>8g}{row['reference']:>11g}{sum(fb.values()):>10g}  "
+                         + "; ".join(f"{n:g}x {why}" for why, n in fb.items()))
+        lines.append(f"host syncs per step: {f['host_syncs_per_step']:g}  "
+                     + ", ".join(f"{k} {n:g}" for k, n in f["sync_kinds"].items()))
+        lines += [f"  {n:>6g}  {site}" for site, n in list(f["sync_sites"].items())[:15]]
+        if "graph_breaks" in f:
+            lines.append(f"graph breaks: {f['graph_breaks']}" + "".join(f"\n  {r}" for r in f["break_reasons"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from engine.config import ConfigError
+    from engine.run_config import RunConfig
+
+    try:
+        cfg = RunConfig.from_yaml(a.config)
+    except ConfigError as e:
+        print(f"dsv4-bench census: error: {e}", file=sys.stderr)
+        return 2
+    with ExitStack() as stack:
+        ckpt = Path(a.ckpt) if a.ckpt else None
+        if ckpt is None:
+            from engine.checkpoint.make_tiny import PRESETS, make_tiny
+            if a.preset not in PRESETS:
+                print(f"dsv4-bench census: error: --preset {a.preset!r}: choose from {', '.join(PRESETS)}",
+                      file=sys.stderr)
+                return 2
+            ckpt = make_tiny(a.preset, 0, stack.enter_context(tempfile.TemporaryDirectory(prefix="census-")))
+        elif not ckpt.is_dir():
+            print(f"dsv4-bench census: error: --ckpt {a.ckpt!r} is not a checkpoint directory", file=sys.stderr)
+            return 2
+        fig = census(cfg, Path(ckpt), a.platform, a.batch, a.context, a.steps, a.graph)
+    print(json.dumps(fig, indent=1) if a.json else table(fig))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""``dsv4-bench census`` (bench.census): the figures it reports for the tiny Flash decode on the
+CPU op table, held here so a change to the decode path shows up as a changed count; its counters
+on their own; its CLI errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.census import census
+from bench.census_count import OpRecorder, SyncCounter
+from engine.ops import REFERENCE
+from engine.run_config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = 6                      # the flash preset; layer kinds: window, window, CSA, HCA, CSA, HCA
+HASH_LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def fig(tiny_ckpt):
+    cfg = RunConfig.from_yaml(ROOT / "configs/tiny-flash.yaml")
+    return census(cfg, tiny_ckpt("flash", 1), "cpu", batch=2, context=200, steps=2, graph=True)
+
+
+def test_cpu_census_runs_every_op_on_the_reference(fig):
+    for step in (fig, fig["graph_step"]):
+        assert step["ops"]
+        for op, row in step["ops"].items():
+            assert row["kernel"] == 0 and row["fallback"] == {}, op
+            assert row["reference"] > 0, op
+
+
+def test_eager_decode_step_op_counts_per_step(fig):
+    ref = {op: row["reference"] for op, row in fig["ops"].items()}
+    assert ref["lm_head"] == 1 and ref["hc_head"] == 1              # one head call for the whole batch
+    assert ref["hc_pre"] == ref["hc_post"] == 2 * LAYERS             # attention + FFN sites per layer
+    assert ref["moe_experts"] == ref["gating_topk"] == ref["swiglu_clamp"] == LAYERS
+    assert ref["grouped_linear"] == LAYERS                           # wo_a
+    # the batched decode rows write the window ring through the seam; their compressors, indexer
+    # and attention run reference math outside it (issue 25: they should go through the seam)
+    assert ref["cache_write"] == LAYERS
+    for op in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk"):
+        assert op not in ref
+
+
+def test_eager_decode_step_host_syncs_by_site(fig):
+    sites = fig["sync_sites"]
+    files = {s.split(" @ ")[1].rsplit(":", 1)[0] for s in sites}
+    assert files == {"engine/ops/reference/moe.py", "engine/core/batched_decode.py", "engine/core/sampler.py",
+                     "engine/core/llm_engine.py"}
+    moe = sum(n for s, n in sites.items() if "reference/moe.py" in s)
+    assert moe == 5 * LAYERS                 # per layer: unique, int(blocks.sum()), 3 tolist of the spans
+    # sampling: the full logits to the host, one int per greedy row, the finite check
+    assert sum(n for s, n in sites.items() if "sampler.py" in s) == 1 + 2
+    assert fig["host_syncs_per_step"] == sum(sites.values())
+
+
+def test_graph_step_has_no_host_sync_and_no_graph_break(fig):
+    g = fig["graph_step"]
+    assert g["host_syncs_per_step"] == 0 and g["sync_sites"] == {}
+    assert g["graph_breaks"] == 0 and g["break_reasons"] == []
+    ref = {op: row["reference"] for op, row in g["ops"].items()}
+    assert ref["hc_pre"] == 2 * LAYERS and ref["hc_head"] == 1
+    assert "moe_experts" not in ref          # the routed experts are gathered per slot, outside the seam
+    assert "lm_head" not in ref              # the graph step returns hidden states; logits are the engine's
+
+
+def test_sync_counter_counts_kinds_and_sites():
+    t, mask = torch.tensor([1.0, 2.0]), torch.tensor([True, False])
+    with SyncCounter() as c:
+        t.sum().item()
+        t.tolist()
+        int(t[0])
+        t[mask]
+        torch.nonzero(mask)
+        t + 1                                 # no sync
+    assert dict(c.kinds) == {"item": 1, "tolist": 1, "int": 1, "bool-mask index": 1, "nonzero": 1}
+    assert all(site.startswith("tests/bench/test_census.py:") for _, site in c.sites)
+
+
+def test_op_recorder_paths_and_unwrap():
+    import inspect
+    rec = OpRecorder()
+
+    def wrapper(x, w, eps):                   # a platform wrapper that falls back once in two calls
+        if x.shape[0] > 1:
+            rec.on_fallback("rms_norm", "too many rows")
+        return REFERENCE.rms_norm(x, w, eps)
+
+    ops = rec.table(REFERENCE.with_overrides(rms_norm=wrapper))
+    assert inspect.unwrap(ops.linear) is REFERENCE.linear and inspect.unwrap(ops.rms_norm) is wrapper
+    x = torch.ones(1, 4)
+    ops.rms_norm(x, None, 1e-6)               # not recording yet
+    rec.active = True
+    ops.rms_norm(x, None, 1e-6)
+    ops.rms_norm(torch.ones(3, 4), None, 1e-6)
+    ops.linear(x, torch.ones(2, 4))
+    assert rec.by_op() == {"linear": {"kernel": 0, "reference": 1, "fallback": {}},
+                           "rms_norm": {"kernel": 1, "reference": 0, "fallback": {"too many rows": 1}}}
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--preset", "nope"], "--preset 'nope'"),
+    (["--ckpt", "/nonexistent"], "is not a checkpoint directory"),
+    (["--platform", "tpu"], "invalid choice"),
+])
+def test_cli_bad_flags_exit_2(args, msg):
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "census", "--config", "configs/tiny-flash.yaml", *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert msg in r.stderr
+
+
+def test_cli_bad_config_exit_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model_config: {dtype: float8}\n")
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "census", "--config", str(bad), "--preset", "flash"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "model_config.dtype" in r.stderr, r.stderr
