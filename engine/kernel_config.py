@@ -10,7 +10,7 @@ from collections.abc import Mapping
 OP_NAMES: tuple[str, ...] = (
     "rms_norm", "rope", "linear", "lm_head", "act_quant", "quant_linear", "grouped_linear", "hc_pre", "hc_post",
     "hc_head", "compressor", "indexer_topk", "sparse_attn", "gating_topk", "swiglu_clamp", "moe_experts",
-    "cache_write", "cache_indexer_topk", "cache_sparse_attn",
+    "cache_write", "cache_indexer_topk", "cache_sparse_attn", "decode_indexer_topk", "decode_sparse_attn",
 )
 KERNEL_CONFIG_KEY = "model_config.custom_params.kernel_config"
 IMPLS = ("native", "npu", "ascendc")   # "ascendc": upstream's name for the kernel impl (= "npu")

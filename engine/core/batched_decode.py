@@ -5,14 +5,13 @@ at decode it runs the window, compressors, indexer and sparse attention once per
 layer, a few dozen small ops each. Here every single-token row whose state lives in the same
 ``PagedCache`` goes through them together: ring / entry / state-slot indices are computed once
 per step (``DecodeRows``, the model's per-step decode context: ``PagedSequenceState.decode_context``
-builds it, ``Attention.forward`` calls its ``attend``), and each layer gathers, updates and
-attends for all rows at once.
+builds it, ``Attention.forward`` calls its ``attend``), and each layer updates the state of
+all rows at once, then calls the seam's batched decode ops (``decode_indexer_topk``,
+``decode_sparse_attn``: a fused kernel per layer on a device, ``engine.ops.reference.decode`` here).
 
 Every row's result is bit-identical to the per-sequence path (``tests/engine/test_batched_decode.py``):
-the same calls on the same per-row shapes (the per-row products go through ``reference.row_scores``
-/ ``row_mix``, batched matmuls of a fixed number of rows whatever the batch; row-wise ops do not
-mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA before its first entry)
-are attended in separate groups, since a longer reduction rounds differently.
+the compressor rows are the same row-wise math, and the reference decode ops are exact per row
+(``engine.ops.reference.decode``).
 Letters: B rows, h heads, d head dim, W window, k top-k, N entries, m compress ratio.
 """
 from __future__ import annotations
@@ -25,8 +24,7 @@ import torch
 from engine.config import CSA_RATIO
 from engine.core.block_manager import slot_mapping
 from engine.ops import reference
-from engine.ops.cache_codec import quant_query
-from engine.ops.reference import gemm, row_mix, row_scores, topk_low_index, weighted_relu_sum
+from engine.ops.reference import gemm
 
 if TYPE_CHECKING:
     from engine.core.kv_cache import PagedCache
@@ -42,9 +40,8 @@ class DecodeRows:
 
     seq: index of each row's sequence in the batch; rows ``[B]``: its packed row; positions
     ``[B]`` int64 (the new token's position p) and ``pos`` the same as ints; slots ``[B]``: state
-    slots; win_rows ``[B, W]``: ring pool rows of positions p-W+1 .. p (position < 0: any row,
-    ``win_valid`` False); win_write ``[B]``: ring row of p; tables: per entry pool, block tables
-    ``[B, max blocks]`` int64 (padded with ``NO_BLOCK``).
+    slots; win_write ``[B]``: ring row of p; tables: per pool ("win": the ring blocks ``[B,
+    ring_len / bs]``; "c4" / "c128": entry blocks ``[B, max blocks]`` padded with ``NO_BLOCK``), int64.
     """
 
     cache: "PagedCache"
@@ -53,8 +50,6 @@ class DecodeRows:
     positions: torch.Tensor
     pos: list[int]
     slots: torch.Tensor
-    win_rows: torch.Tensor
-    win_valid: torch.Tensor
     win_write: torch.Tensor
     tables: dict[str, torch.Tensor]
 
@@ -72,8 +67,7 @@ class DecodeRows:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         held = [states[j].held for j in pick]
         win = torch.tensor([h.tables["win"] for h in held], dtype=torch.long, device=dev)
-        wpos = positions[:, None] - window + 1 + torch.arange(window, device=dev)
-        tables = {}
+        tables = {"win": win}
         for p in ("c4", "c128"):
             width = max(len(h.tables.get(p, [])) for h in held)
             if width:
@@ -86,7 +80,6 @@ class DecodeRows:
                 tables[p] = t
         return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev), positions,
                    pos, torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
-                   slot_mapping(win, bs, wpos % ring), wpos >= 0,
                    slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], tables)
 
 
@@ -94,14 +87,6 @@ class DecodeRows:
                iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
         """``Attention.forward``'s per-sequence body for these rows of one layer: ``attend_rows``."""
         return attend_rows(att, self, lstates, x, q, kv, iq, iw)
-
-
-def _groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
-    """(key, row indices) per distinct key, in first-seen order."""
-    out: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        out.setdefault(k, []).append(i)
-    return [(k, torch.tensor(v, dtype=torch.long)) for k, v in out.items()]
 
 
 def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torch.Tensor, torch.Tensor],
@@ -147,23 +132,6 @@ def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torc
         entries[i].num_entries += 1
 
 
-def indexer_rows(idx, iq: torch.Tensor, iw: torch.Tensor, dec: DecodeRows, entries) -> torch.Tensor:
-    """``reference.indexer_topk`` (§3.5) for one query per row: ``[B, k]`` entry ids (-1 = none).
-
-    iq ``[B, h, dI]``, iw ``[B, h]``; entries: each row's indexer ``PagedEntries`` (keys gathered
-    per row; rows with the same key count score in one batched matmul)."""
-    out = torch.full((iq.shape[0], idx.topk), -1, dtype=torch.long, device=iq.device)
-    for n, g in _groups([e.num_entries for e in entries]):
-        if n == 0:
-            continue
-        keys = torch.stack([entries[i].view() for i in g.tolist()]).float()        # [b, N, dI]
-        q = quant_query(entries[0].codec, iq[g])
-        s = weighted_relu_sum(row_scores(q.float(), keys), iw[g], idx.head_dim ** -0.5)
-        allowed = torch.ones_like(s, dtype=torch.bool)
-        out[g] = topk_low_index(s, allowed, idx.topk)
-    return out
-
-
 def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                 iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
     """``Attention.forward``'s per-sequence body for all decode rows of one layer (§3.3 steps 4-6).
@@ -171,52 +139,23 @@ def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.T
     x ``[B, H]``, q ``[B, h, d]``, kv ``[B, d]`` (roped), iq / iw the indexer's projections;
     lstates: each row's ``PagedLayerState`` of this layer. Updates the ring, the compressor states
     and the entry pools; returns the attention output ``[B, h, d]`` (still roped) in q.dtype.
+    The indexer and the attention are one seam op each for all rows (``decode_indexer_topk``,
+    ``decode_sparse_attn``: one kernel call per layer on a device).
     """
     with torch.profiler.record_function(PROFILE_LABEL):
-        return _attend_rows(att, dec, lstates, x, q, kv, iq, iw)
-
-
-def _attend_rows(att, dec, lstates, x, q, kv, iq, iw):
-    B, h, d = q.shape
-    s0, bs = lstates[0], dec.cache.config.block_size
-    win = s0.win_pool
-    att.ops.cache_write(win, dec.win_write, kv)
-    wk = win.read(dec.win_rows).float().masked_fill(~dec.win_valid[..., None], 0.0)   # [B, W, d]
-    ck = topk = None
-    if att.compressor is not None:
-        pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
-        compress_rows(att.compressor, x, dec, s0.comp_pool, s0.cmp_kv.pool, dec.tables.get(pool_name),
-                      [s.cmp_kv for s in lstates], kv.dtype)
-        if att.indexer is not None:
-            compress_rows(att.indexer.compressor, x, dec, s0.idx_comp_pool, s0.idx_kv.pool, dec.tables.get("c4"),
-                          [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype)
-            topk = indexer_rows(att.indexer, iq, iw, dec, [s.idx_kv for s in lstates])
-            keys = [att.indexer.topk if s.cmp_kv.num_entries else 0 for s in lstates]
-        else:
-            keys = [s.cmp_kv.num_entries for s in lstates]
-    else:
-        keys = [0] * B
-    qf, scale = q.float(), att.head_dim ** -0.5
-    o = torch.empty_like(q)
-    for n, g in _groups(keys):
-        kq = qf[g]
-        wg = wk[g]
-        scores = [row_scores(kq, wg).mul(scale).masked_fill(~dec.win_valid[g][:, None], float("-inf"))]
-        if n and topk is not None:                                             # CSA: the indexer's picks
-            t = topk[g]
-            valid = t >= 0
-            ck = s0.cmp_kv.pool.read(slot_mapping(dec.tables["c4"][g], bs, t.clamp_min(0))).float()   # [b, k, d]
-            scores.append(row_scores(kq, ck).mul(scale).masked_fill(~valid[:, None], float("-inf")))
-        elif n:                                                                 # HCA: every entry
-            idx = torch.arange(n, device=q.device).expand(len(g), n)
-            ck = s0.cmp_kv.pool.read(slot_mapping(dec.tables["c128"][g], bs, idx)).float()              # [b, N, d]
-            scores.append(row_scores(kq, ck).mul(scale))
-        sink = att.attn_sink.float().view(1, h, 1).expand(len(g), h, 1)
-        logits = torch.cat(scores + [sink], dim=-1)
-        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
-        W = wk.shape[1]
-        og = row_mix(probs[..., :W], wg)
-        if n:
-            og = og + row_mix(probs[..., W:-1], ck)
-        o[g] = og.to(q.dtype)
-    return o
+        s0, bs, ops = lstates[0], dec.cache.config.block_size, att.ops
+        ops.cache_write(s0.win_pool, dec.win_write, kv)
+        cmp = table = topk = None
+        if att.compressor is not None:
+            pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
+            cmp, table = s0.cmp_kv.pool, dec.tables.get(pool_name)
+            compress_rows(att.compressor, x, dec, s0.comp_pool, cmp, table, [s.cmp_kv for s in lstates], kv.dtype)
+            if att.indexer is not None:
+                idx = att.indexer
+                compress_rows(idx.compressor, x, dec, s0.idx_comp_pool, s0.idx_kv.pool, dec.tables.get("c4"),
+                              [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype)
+                topk = ops.decode_indexer_topk(iq, iw, s0.idx_kv.pool, dec.tables.get("c4"), bs, dec.positions,
+                                               dec.pos, CSA_RATIO, idx.topk, idx.head_dim ** -0.5)
+        return ops.decode_sparse_attn(q, dec.positions, dec.pos, s0.win_pool, dec.tables["win"],
+                                      dec.cache.geometry.ring_len, att.window, cmp, table, att.ratio, topk,
+                                      att.attn_sink, att.head_dim ** -0.5, bs)

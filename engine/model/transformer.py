@@ -137,10 +137,10 @@ class Transformer(nn.Module):
         self.head = Linear(args.hidden_size, args.vocab_size, torch.float32, ops)
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
-        # decode rows of paged requests attend together (a state's decode_context); it is the reference
-        # math, so only where the window / compressor / indexer / attention ops are the reference
-        self._batch_decode = all(inspect.unwrap(getattr(ops, n)) is getattr(REFERENCE, n)
-                                 for n in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk"))
+        # decode rows of paged requests attend together (a state's decode_context) through the seam's
+        # decode_* ops; their compressor rows are the reference compressor's math, so only where that
+        # op is the reference (no platform maps it: engine.ops.npu.NOT_MAPPED)
+        self._batch_decode = inspect.unwrap(ops.compressor) is REFERENCE.compressor
 
     def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False) -> None:
         """Run options of the eager path: routed-MoE chunk length (custom_params.moe_chunk_max_len),

@@ -37,6 +37,8 @@ class Ops:
     cache_write: Callable
     cache_indexer_topk: Callable
     cache_sparse_attn: Callable
+    decode_indexer_topk: Callable
+    decode_sparse_attn: Callable
 
     def with_overrides(self, **kernels: Callable) -> "Ops":
         """A copy with some ops replaced by platform kernels. Raises TypeError on an unknown name."""

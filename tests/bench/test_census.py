@@ -17,7 +17,7 @@ from engine.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = 6                      # the flash preset; layer kinds: window, window, CSA, HCA, CSA, HCA
-HASH_LAYERS = 3
+CSA_LAYERS = 2
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +40,18 @@ def test_eager_decode_step_op_counts_per_step(fig):
     assert ref["hc_pre"] == ref["hc_post"] == 2 * LAYERS             # attention + FFN sites per layer
     assert ref["moe_experts"] == ref["gating_topk"] == ref["swiglu_clamp"] == LAYERS
     assert ref["grouped_linear"] == LAYERS                           # wo_a
-    # the batched decode rows write the window ring through the seam; their compressors, indexer
-    # and attention run reference math outside it (issue 25: they should go through the seam)
+    # the decode rows of all requests: one window write, one attention call per layer and one
+    # indexer call per CSA layer; their compressors run the reference math outside the seam
     assert ref["cache_write"] == LAYERS
-    for op in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk"):
+    assert ref["decode_sparse_attn"] == LAYERS and ref["decode_indexer_topk"] == CSA_LAYERS
+    for op in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk", "cache_sparse_attn"):
         assert op not in ref
 
 
 def test_eager_decode_step_host_syncs_by_site(fig):
     sites = fig["sync_sites"]
     files = {s.split(" @ ")[1].rsplit(":", 1)[0] for s in sites}
-    assert files == {"engine/ops/reference/moe.py", "engine/core/batched_decode.py", "engine/core/sampler.py",
-                     "engine/core/llm_engine.py"}
+    assert files == {"engine/ops/reference/moe.py", "engine/core/sampler.py", "engine/core/llm_engine.py"}
     moe = sum(n for s, n in sites.items() if "reference/moe.py" in s)
     assert moe == 5 * LAYERS                 # per layer: unique, int(blocks.sum()), 3 tolist of the spans
     # sampling: the full logits to the host, one int per greedy row, the finite check

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 from engine.kernel_config import KERNEL_CONFIG_KEY, OP_NAMES, validate_kernel_config
 from engine.ops.npu.attention import sparse_attn
 from engine.ops.npu.cache_quant import cache_indexer_topk, cache_write
+from engine.ops.npu.decode import decode_indexer_topk, decode_sparse_attn
 from engine.ops.npu.dense import grouped_linear, quant_linear, rms_norm, rope
 from engine.ops.npu.runtime import api_available, load_custom_ops, log_fallback, log_reference_op
 from engine.ops.npu.mhc import hc_post, hc_pre
@@ -66,6 +67,8 @@ KERNELS: dict[str, Callable] = {
     "quant_linear": quant_linear,
     "cache_write": cache_write,
     "cache_indexer_topk": cache_indexer_topk,
+    "decode_indexer_topk": decode_indexer_topk,
+    "decode_sparse_attn": decode_sparse_attn,
 }
 
 # The runtime kernels each wrapper needs: "torch_npu.<name>" or "custom.<name>" (torch.ops.custom).
@@ -86,6 +89,9 @@ KERNEL_APIS: dict[str, tuple[str, ...]] = {
                     "torch_npu.npu_dynamic_quant"),
     "cache_indexer_topk": ("custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                            "torch_npu.npu_dynamic_quant"),
+    "decode_indexer_topk": ("custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
+                            "torch_npu.npu_dynamic_quant"),
+    "decode_sparse_attn": ("custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"),
 }
 
 NOT_MAPPED: dict[str, str] = {

@@ -13,8 +13,8 @@ from engine.ops.npu.runtime import BF16, HALF, custom_namespace, device_why, dty
 
 _KV_DIM, _KV_ROPE, _KV_ROW = 512, 64, 640     # kv_compress_epilog: d fixed 512, rope slice 64, d' = 640
 _IDX_BLOCK = 128                              # indexer_compress_epilog: one scale per 128 elements
-_LI_HEADS, _LI_DIM, _LI_MAX_TOPK = 64, 128, 2048
-_LI_RATIOS = (1, 2, 4, 8, 16, 32, 64, 128)
+LI_HEADS, LI_DIM, LI_MAX_TOPK = 64, 128, 2048
+LI_RATIOS = (1, 2, 4, 8, 16, 32, 64, 128)
 _SCATTER_WIDTHS = (1, 128, 512)               # scatter_nd_update_asc: s in {1, 128, 512}
 
 
@@ -139,9 +139,9 @@ def cache_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table
     why = first_reason(None if c.indexer and c.kind == "int8"
                        else f"indexer {c.kind} keys: only int8 keys are documented",
                        dtype_why("q", q, HALF), device_why(q), None if T > 0 else "no queries",
-                       None if (h, dI) == (_LI_HEADS, _LI_DIM) else f"heads x dim {h} x {dI}, kernel takes 64 x 128",
-                       None if 1 <= topk <= _LI_MAX_TOPK else f"topk {topk}, kernel takes 1..2048",
-                       None if ratio in _LI_RATIOS else f"ratio {ratio}, kernel takes 1..128 (powers of two)",
+                       None if (h, dI) == (LI_HEADS, LI_DIM) else f"heads x dim {h} x {dI}, kernel takes 64 x 128",
+                       None if 1 <= topk <= LI_MAX_TOPK else f"topk {topk}, kernel takes 1..2048",
+                       None if ratio in LI_RATIOS else f"ratio {ratio}, kernel takes 1..128 (powers of two)",
                        None if block_size % 16 == 0 and 0 < block_size <= 1024 else f"block size {block_size}")
     if not why:
         p0, p1 = int(positions[0]), int(positions[-1])

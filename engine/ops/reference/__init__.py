@@ -9,7 +9,8 @@ Letters: T query tokens, H hidden, h heads, d head dim, r rope dims (trailing), 
 k selected entries, E experts, I expert width, n mHC streams (hc_mult), m compress ratio.
 
 One module per family (blas: the fixed-shape GEMM calls; dense; mhc; attention: compressor, indexer,
-sparse attention; moe; cache: ops over the stored decode-state pools); this package is the table of
+sparse attention; moe; cache: ops over the stored decode-state pools; decode: those ops for a batch of
+one-query rows); this package is the table of
 all of them, by op name (``engine.ops.REFERENCE``).
 """
 from __future__ import annotations
@@ -21,10 +22,12 @@ from engine.ops.reference.attention import (compressor, num_new_entries, indexer
                                             weighted_relu_sum, topk_low_index, sparse_attn)
 from engine.ops.reference.moe import gating_topk, swiglu_clamp, moe_experts
 from engine.ops.reference.cache import cache_write, cache_indexer_topk, cache_sparse_attn
+from engine.ops.reference.decode import decode_indexer_topk, decode_sparse_attn
 
 __all__ = [
     "gemm", "row_mix", "row_scores", "lm_head", "rms_norm", "rope", "linear", "quant_linear",
     "act_quant", "grouped_linear", "hc_pre", "hc_post", "hc_head", "compressor", "num_new_entries",
     "indexer_topk", "indexer_scores", "weighted_relu_sum", "topk_low_index", "sparse_attn", "gating_topk",
     "swiglu_clamp", "moe_experts", "cache_write", "cache_indexer_topk", "cache_sparse_attn",
+    "decode_indexer_topk", "decode_sparse_attn",
 ]

@@ -165,6 +165,10 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
     kv_rows = CacheRows.zeros(CacheCodec("fp8", 512, dt, rope_dim=64), 8, "cpu")
     keys = CacheRows.zeros(CacheCodec("int8", 128, dt, indexer=True), 33, "cpu")
     keys.write(torch.arange(32), rnd(32, 128))
+    dpos = torch.tensor([40, 70, 2])
+    win, cmp = CacheRows.zeros(CacheCodec("none", 8, dt), 49, "cpu"), CacheRows.zeros(CacheCodec("none", 8, dt), 33, "cpu")
+    win.write(torch.arange(48), rnd(48, 8))
+    cmp.write(torch.arange(32), rnd(32, 8))
     return {
         "rms_norm": (rnd(T, 3, 16), None, 1e-6),
         "rope": (rnd(T, 3, 16), ang.cos(), ang.sin()),
@@ -182,6 +186,12 @@ def _cases(dt: torch.dtype) -> dict[str, tuple]:
         "cache_write": (kv_rows, torch.tensor([5, 1]), rnd(2, 512)),
         "cache_indexer_topk": (rnd(30, 64, 128), rnd(30, 64, dtype=f32), keys, torch.tensor([1, 0]), 16, pos, 4, 8,
                                0.1),
+        # three decode rows at positions 40, 70, 2 (no closed window yet), blocks of 16
+        "decode_indexer_topk": (rnd(3, 64, 128), rnd(3, 64, dtype=f32), keys, torch.tensor([[1, 0], [0, 1], [1, 0]]),
+                                16, dpos, dpos.tolist(), 4, 8, 0.1),
+        "decode_sparse_attn": (rnd(3, 2, 8), dpos, dpos.tolist(), win, torch.tensor([[0], [1], [2]]), 16, 4, cmp,
+                               torch.tensor([[1, 0], [0, 1], [1, 0]]), 4, torch.randint(-1, 8, (3, 5), generator=g),
+                               rnd(2, dtype=f32), 0.5, 16),
     }
 
 

@@ -1,0 +1,128 @@
+"""Decode ops over the stored pools for a batch of requests, one query each (§3.3 steps 4-6, §3.5, §8.1).
+
+Part of the reference ops (``engine.ops.reference``). ``cache_sparse_attn`` / ``cache_indexer_topk``
+take one sequence; these take B rows of B requests with their block tables ``[B, n_blocks]``,
+which is the form the fused kernels take (TND queries with ``cu_seqlens``, paged keys with a block
+table per sequence), so a decode step calls each kernel once per layer, not once per request.
+
+Each row's result is bit-identical to the per-sequence op on that row alone: the per-row products
+go through ``row_scores`` / ``row_mix`` (batched matmuls of a fixed number of rows whatever the
+batch; row-wise ops do not mix rows), and rows whose softmax lengths differ (HCA entry counts, CSA
+before its first entry) are reduced in separate groups, since a longer reduction rounds
+differently. The grouping uses ``pos`` (the positions on the host, which the scheduler has), so
+the reference needs no host sync to find it.
+
+Letters as in ``engine.ops.reference``; B rows, W window, bs block size.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.ops.reference.attention import topk_low_index, weighted_relu_sum
+from engine.ops.reference.blas import row_mix, row_scores
+
+if TYPE_CHECKING:
+    from engine.ops.cache_codec import CacheRows
+
+
+def table_rows(table: torch.Tensor, bs: int, idx: torch.Tensor) -> torch.Tensor:
+    """Flat pool rows of logical slots ``idx [B, k]`` through per-row block tables ``[B, n_blocks]``."""
+    return table.gather(1, idx // bs) * bs + idx % bs
+
+
+def groups(keys: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """(key, row indices) per distinct key, in first-seen order."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return [(k, torch.tensor(v, dtype=torch.long)) for k, v in out.items()]
+
+
+def window_rows(win_table: torch.Tensor, positions: torch.Tensor, ring_len: int, window: int, bs: int):
+    """Ring rows ``[B, W]`` of positions ``p-W+1 .. p`` per row and their validity (position >= 0);
+    position q lives in ring slot ``q % ring_len`` of the row's ring blocks ``win_table [B, n]``."""
+    wpos = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
+    return table_rows(win_table, bs, wpos % ring_len), wpos >= 0
+
+
+def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows, block_table: torch.Tensor,
+                        block_size: int, positions: torch.Tensor, pos: list[int], ratio: int, topk: int,
+                        scale: float) -> torch.Tensor:
+    """Lightning-indexer top-k (§3.5) for one query per row over each row's stored keys
+    (``cache_indexer_topk`` of each row alone).
+
+    Args:
+        q: ``[B, h, dI]`` roped indexer queries (compute dtype); weights: ``[B, h]`` fp32 (already
+            * h^-0.5); keys: the indexer pool (``CacheRows``); block_table: ``[B, n_blocks]``
+            int64 (padding past a row's blocks is never read); block_size: entries per block;
+            positions: ``[B]`` int64 and ``pos`` the same on the host; the row at position p
+            sees entries ``i < (p+1) // ratio``.
+    Returns:
+        ``[B, topk]`` int64 entry ids (row-local), ascending; ``-1`` pads rows with fewer candidates.
+    """
+    from engine.ops.cache_codec import quant_query
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    for n, g in groups([(p + 1) // ratio for p in pos]):
+        if n == 0:
+            continue
+        g = g.to(q.device)
+        idx = torch.arange(n, device=q.device).expand(len(g), n)
+        k = keys.read(table_rows(block_table[g], block_size, idx)).float()          # [b, N, dI]
+        s = weighted_relu_sum(row_scores(quant_query(keys.codec, q[g]).float(), k), weights[g], scale)
+        out[g] = topk_low_index(s, torch.ones_like(s, dtype=torch.bool), topk)
+    return out
+
+
+def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int], win: CacheRows,
+                       win_table: torch.Tensor, ring_len: int, window: int, cmp: CacheRows | None,
+                       cmp_table: torch.Tensor | None, cmp_ratio: int, topk_idx: torch.Tensor | None,
+                       sinks: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """Shared-KV attention with sink (§3.3 steps 4-6) for one query per row over each row's stored
+    window ring and compressed entries (``cache_sparse_attn`` of each row alone).
+
+    Window: the row at position p attends positions ``max(0, p-W+1) .. p``, position q in ring
+    slot ``q % ring_len`` of its ring blocks (the current token already written). Compressed: its
+    ``(p+1) // cmp_ratio`` closed entries, all of them (HCA) or the indexer's picks (CSA).
+
+    Args:
+        q: ``[B, h, d]`` (roped); positions ``[B]`` int64 and ``pos`` the same on the host;
+        win: the window pool; win_table: ``[B, ring_len / bs]`` int64 ring blocks per row;
+        cmp: the entry pool or None (window-only layers; then cmp_table / topk_idx are None);
+        cmp_table: ``[B, n_blocks]`` int64; topk_idx: ``[B, k]`` int64 row-local entry ids
+        (-1 = none) on CSA layers, None on HCA; sinks ``[h]`` fp32; block_size: slots per block.
+    Returns:
+        ``[B, h, d]`` in q.dtype (still roped).
+    """
+    B, h, d = q.shape
+    rows, valid = window_rows(win_table, positions, ring_len, window, block_size)
+    wk = win.read(rows).float().masked_fill(~valid[..., None], 0.0)                  # [B, W, d]
+    if cmp is None:
+        keys = [0] * B
+    elif topk_idx is not None:
+        keys = [topk_idx.shape[1] if (p + 1) // cmp_ratio else 0 for p in pos]
+    else:
+        keys = [(p + 1) // cmp_ratio for p in pos]
+    qf, o = q.float(), torch.empty_like(q)
+    for n, g in groups(keys):
+        g = g.to(q.device)
+        kq, wg = qf[g], wk[g]
+        scores = [row_scores(kq, wg).mul(scale).masked_fill(~valid[g][:, None], float("-inf"))]
+        ck = None
+        if n and topk_idx is not None:                                           # CSA: the indexer's picks
+            t = topk_idx[g]
+            ck = cmp.read(table_rows(cmp_table[g], block_size, t.clamp_min(0))).float()   # [b, k, d]
+            scores.append(row_scores(kq, ck).mul(scale).masked_fill(~(t >= 0)[:, None], float("-inf")))
+        elif n:                                                                  # HCA: every closed entry
+            idx = torch.arange(n, device=q.device).expand(len(g), n)
+            ck = cmp.read(table_rows(cmp_table[g], block_size, idx)).float()            # [b, N, d]
+            scores.append(row_scores(kq, ck).mul(scale))
+        sink = sinks.float().view(1, h, 1).expand(len(g), h, 1)
+        logits = torch.cat(scores + [sink], dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
+        og = row_mix(probs[..., :window], wg)
+        if ck is not None:
+            og = og + row_mix(probs[..., window:-1], ck)
+        o[g] = og.to(q.dtype)
+    return o
