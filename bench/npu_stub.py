@@ -40,16 +40,18 @@ value is ``str(q.device)`` given to the metadata ops' ``device`` argument, which
 so the stub ``torch_npu`` holds the eight kernel functions and nothing else.
 
 ``uninstall()`` restores ``sys.modules``, ``NPU_DEVICE_TYPES`` and ``FALLBACK_OBSERVERS``. The
-``torch.library`` registrations stay for the life of the process (torch cannot drop a defined
-schema cleanly; a later ``install()`` reuses them), and so do ``runtime.api_available``'s cached
-answers. Callers that need a clean process run the stub in a subprocess.
+``torch.library`` registrations stay for the life of the process (torch.library has no public way
+to drop a defined op; a later ``install()`` reuses them, and between installs the kernels run but
+record nothing), and so do ``runtime.api_available``'s cached answers. Callers that need a clean
+process run the stub in a subprocess (tests/bench/test_npu_stub.py does).
 
 Usage::
 
     from bench import npu_stub
     rt = npu_stub.install()
     ops = engine.ops.ops_for("npu")        # every mapped op on its NPU wrapper
-    ...                                    # run the model (CPU tensors) with ``ops``
+    model = engine.checkpoint.loader.load_model(path, dtype=torch.bfloat16, ops=ops)   # CPU tensors
+    model.forward(tokens, model.new_state())
     rt.kernel_counts(), rt.fallback_counts()
     npu_stub.uninstall()
 """
@@ -64,7 +66,11 @@ from typing import Callable, NamedTuple
 import torch
 
 from bench import npu_stub_kernels as K
-from engine.ops.npu import runtime
+from bench.npu_stub_kernels import ContractError
+from engine.ops.npu import KERNEL_APIS, runtime
+
+__all__ = ["SCHEMAS", "ContractError", "StubCall", "StubKernel", "StubRuntime", "install", "kernels", "tensor_args",
+           "uninstall"]
 
 # [OPP] op_plugin/config/op_plugin_functions.yaml and [CRI] ops_def_registration.cpp, as published.
 SCHEMAS: dict[str, str] = {
@@ -271,7 +277,6 @@ def install() -> StubRuntime:
         RuntimeError: already installed; an API of ``engine.ops.npu.KERNEL_APIS`` has no stub; or a
             real ``torch.ops.custom`` op of the same name is registered.
     """
-    from engine.ops.npu import KERNEL_APIS
     if _STATE:
         raise RuntimeError("npu_stub: already installed (call uninstall() first)")
     missing = sorted({a for apis in KERNEL_APIS.values() for a in apis} - set(SCHEMAS))
