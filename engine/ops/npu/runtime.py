@@ -3,11 +3,18 @@
 A wrapper checks its inputs against the kernel's documented contract with plain torch; a reason
 string (or None) comes back from each check, and ``fallback`` calls the reference op of the same
 name after logging the reason once per (op, reason).
+
+Two module-level seams let a harness without Ascend hardware drive the wrappers' kernel paths
+(bench/npu_stub.py, a contract stub of torch_npu and custom_ops that runs on CPU tensors) without
+replacing any function here: ``NPU_DEVICE_TYPES`` (the device types ``device_why`` accepts) and
+``FALLBACK_OBSERVERS`` (called on every fallback, where the log speaks once per reason). Serving
+code never changes either.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+from typing import Callable
 
 import torch
 
@@ -19,9 +26,13 @@ HALF = (torch.bfloat16, torch.float16)
 BF16 = (torch.bfloat16,)
 _LOGGED: set[tuple[str, str]] = set()          # (op, reason) already logged
 _AVAILABLE: dict[str, bool] = {}               # api name -> present in this runtime
-# called as (op, reason) on every fallback, before the reference op runs (the op census,
-# ``bench.census``, attributes each fallback to the wrapper call that made it)
-FALLBACK_OBSERVERS: list = []
+
+# Device types whose tensors ``device_why`` counts as on an NPU. Only "npu" in serving; the stub in
+# bench/npu_stub.py adds "cpu" while installed, so CPU tensors reach its kernels.
+NPU_DEVICE_TYPES: tuple[str, ...] = ("npu",)
+# Each is called as ``observer(op, reason)`` on every call that falls back (eager calls only: not
+# while a graph is traced). Empty in serving; bench/npu_stub.py counts fallbacks per call with it.
+FALLBACK_OBSERVERS: list[Callable[[str, str], None]] = []
 
 
 def log_reference_op(op: str, reason: str) -> bool:
@@ -46,11 +57,12 @@ def log_fallback(op: str, reason: str) -> bool:
 
 
 def fallback(op: str, reason: str, *args):
-    """Log ``reason`` once for ``op``, tell ``FALLBACK_OBSERVERS``, then run the reference op of
-    that name on ``args``."""
+    """Log ``reason`` once for ``op``, tell ``FALLBACK_OBSERVERS``, then run the reference op of that
+    name on ``args``."""
     log_fallback(op, reason)
-    for observe in FALLBACK_OBSERVERS:
-        observe(op, reason)
+    if FALLBACK_OBSERVERS and not torch.compiler.is_compiling():
+        for observe in FALLBACK_OBSERVERS:
+            observe(op, reason)
     return getattr(reference, op)(*args)
 
 
@@ -63,8 +75,8 @@ def dtype_why(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> s
 
 
 def device_why(t: torch.Tensor) -> str | None:
-    """None if ``t`` is on an NPU device, else the reason."""
-    return None if t.device.type == "npu" else f"tensors on {t.device.type}, not on an NPU device"
+    """None if ``t`` is on an NPU device (a type in ``NPU_DEVICE_TYPES``), else the reason."""
+    return None if t.device.type in NPU_DEVICE_TYPES else f"tensors on {t.device.type}, not on an NPU device"
 
 
 def first_reason(*reasons: str | None) -> str | None:

@@ -1,9 +1,9 @@
-"""The quantised-cache wrappers of ``engine.ops.npu.cache_quant`` against contract stubs: pure-torch
-twins of the cann-recipes-infer custom ops and of ``torch_npu.npu_dynamic_quant``, each written from
-its doc's golden formula (not from ``engine.ops.cache_codec``), that check the documented dtypes /
-shapes / kwargs and record every call. They prove which kernel each pool kind reaches and with what,
-that every other input falls back naming its reason, and that the kernels' bytes equal the codec's
-(the stored row is the reference math). The reference ops over the pools are checked against the
+"""The quantised-cache wrappers of ``engine.ops.npu.cache_quant`` against contract stubs: the
+pure-torch twins of the cann-recipes-infer custom ops and of ``torch_npu.npu_dynamic_quant`` in
+``bench.npu_stub``, each written from its doc's golden formula (not from ``engine.ops.cache_codec``)
+and checking the documented dtypes / shapes / kwargs; the twin here records every call. They prove
+which kernel each pool kind reaches and with what, that every other input falls back naming its
+reason, and that the kernels' bytes equal the codec's (the stored row is the reference math). The reference ops over the pools are checked against the
 plain attention ops on the decoded rows."""
 from __future__ import annotations
 
@@ -15,128 +15,54 @@ import torch
 import engine.ops.npu as npu
 import engine.ops.npu.cache_quant as cq
 import engine.ops.npu.runtime as npu_runtime
+from bench import npu_stub
 from engine.ops import reference as R
 from engine.ops.cache_codec import CacheCodec, CacheRows, quant_query
 
-E4M3 = torch.float8_e4m3fn
+CUSTOM, NPU = npu_stub.kernels("custom"), npu_stub.kernels("torch_npu")
+# what each twin call records (the call's arguments by name -> a tuple), per API
+RECORD = {
+    "kv_compress_epilog": lambda a: ("kv_compress_epilog", tuple(a["kv_compress_cache"].shape), a["x"].dtype,
+                                     tuple(a["x"].shape), a["slot_mapping"].dtype),
+    "indexer_compress_epilog": lambda a: ("indexer_compress_epilog", tuple(a["indexer_compress_cache"].shape),
+                                          tuple(a["indexer_compress_scale"].shape), a["x"].dtype,
+                                          a["slot_mapping"].dtype),
+    "scatter_nd_update_asc": lambda a: ("scatter_nd_update_asc", a["var"].dtype, tuple(a["var"].shape),
+                                        tuple(a["update"].shape)),
+    "npu_quant_lightning_indexer_metadata": lambda a: (
+        "li_metadata", *(a[k] for k in ("num_heads_q", "num_heads_k", "head_dim", "query_quant_mode",
+                                        "key_quant_mode", "batch_size", "max_seqlen_q", "max_seqlen_k", "layout_query",
+                                        "layout_key", "sparse_count", "sparse_mode", "cmp_ratio"))),
+    "npu_quant_lightning_indexer": lambda a: ("quant_li", tuple(a["key"].shape), tuple(a["block_table"].shape),
+                                              a["sparse_count"], a["cmp_ratio"]),
+    "npu_dynamic_quant": lambda a: ("npu_dynamic_quant", a["input"].dtype, tuple(a["input"].shape)),
+}
 
 
-class TwinCustom:
-    """``torch.ops.custom`` epilogues / quantised indexer in pure torch (docs' goldens), recording calls."""
+class Twin:
+    """A namespace of ``bench.npu_stub``'s contract stubs (``torch.ops.custom`` or ``torch_npu``):
+    pure torch from the docs' goldens, each checking its documented contract (``ContractError``)
+    and its schema's arguments; every call is recorded in ``calls`` as ``RECORD`` says."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, stubs, calls: list):
+        self.stubs, self.calls = stubs, calls
 
-    def kv_compress_epilog(self, kv_compress_cache, x, slot_mapping, *, quant_group_size=64, quant_mode=2,
-                           round_scale_flag=True, scale=1.0):
-        # custom-npu_kv_compress_epilog.md + examples golden_mxfp8_row (quant_mode 2)
-        assert kv_compress_cache.dtype == E4M3 and kv_compress_cache.is_contiguous()
-        assert x.dtype == torch.bfloat16 and x.shape[1] == 512 and x.is_contiguous()
-        assert slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.shape == (x.shape[0],)
-        assert (quant_group_size, quant_mode, round_scale_flag) == (64, 2, True)
-        self.calls.append(("kv_compress_epilog", tuple(kv_compress_cache.shape), x.dtype, tuple(x.shape),
-                           slot_mapping.dtype))
-        rope, nope = x[:, 448:], x[:, :448].float().view(-1, 7, 64)
-        s = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) * torch.tensor(1 / 448.0, dtype=torch.float32)
-        bits = s.view(torch.int32)
-        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()        # round the scale up to 2^k
-        s = (exp << 23).view(torch.float32)
-        q = (nope / s).clamp(-448, 448).to(E4M3).view(torch.uint8).view(-1, 448)
-        row = torch.zeros(x.shape[0], kv_compress_cache.shape[1], dtype=torch.uint8)
-        row[:, :128] = rope.contiguous().view(torch.uint8)
-        row[:, 128:576], row[:, 576:583] = q, exp.view(-1, 7).to(torch.uint8)
-        keep = slot_mapping >= 0
-        kv_compress_cache.view(torch.uint8)[slot_mapping[keep].long()] = row[keep]
+    def __getattr__(self, name):
+        stub = getattr(self.stubs, name)
 
-    def indexer_compress_epilog(self, indexer_compress_cache, indexer_compress_scale, x, slot_mapping, *,
-                                quant_mode=1, round_scale=True, scale=1.0):
-        # custom-npu_indexer_compress_epilog.md + examples dynamic_block_quant (quant_mode 1)
-        assert indexer_compress_cache.dtype == E4M3 and indexer_compress_scale.dtype == torch.float32
-        assert x.dtype in (torch.float16, torch.bfloat16) and slot_mapping.dtype == torch.int32
-        d = x.shape[1]
-        assert indexer_compress_scale.shape[1] == -(-d // 128) and quant_mode == 1
-        self.calls.append(("indexer_compress_epilog", tuple(indexer_compress_cache.shape),
-                           tuple(indexer_compress_scale.shape), x.dtype, slot_mapping.dtype))
-        blocks = x.float().view(x.shape[0], -1, 128)
-        s = blocks.abs().amax(-1, keepdim=True) / 448.0
-        q = torch.nan_to_num((blocks / s).clamp(-448, 448)).to(E4M3).view(x.shape[0], d)
-        keep = slot_mapping >= 0
-        indexer_compress_cache[slot_mapping[keep].long()] = q[keep]
-        indexer_compress_scale[slot_mapping[keep].long()] = s.squeeze(-1)[keep]
-
-    def scatter_nd_update_asc(self, var, indices, update):
-        # custom-npu_scatter_nd_update_asc.md
-        assert var.dtype in (torch.bfloat16, torch.float16, torch.int8) and var.shape[1] in (1, 128, 512)
-        assert indices.dtype in (torch.int32, torch.int64) and indices.shape == (update.shape[0], 1)
-        assert update.dtype == var.dtype and update.shape[1] == var.shape[1] and update.is_contiguous()
-        self.calls.append(("scatter_nd_update_asc", var.dtype, tuple(var.shape), tuple(update.shape)))
-        keep = indices[:, 0] >= 0
-        var[indices[keep, 0].long()] = update[keep]
-
-    def npu_quant_lightning_indexer_metadata(self, num_heads_q, num_heads_k, head_dim, query_quant_mode,
-                                             key_quant_mode, *, actual_seq_lengths_query=None,
-                                             actual_seq_lengths_key=None, batch_size=0, max_seqlen_q=0,
-                                             max_seqlen_k=0, layout_query="BSND", layout_key="BSND",
-                                             sparse_count=2048, sparse_mode=3, pre_tokens=2 ** 63 - 1,
-                                             next_tokens=2 ** 63 - 1, cmp_ratio=1, device="npu:0"):
-        self.calls.append(("li_metadata", num_heads_q, num_heads_k, head_dim, query_quant_mode, key_quant_mode,
-                           batch_size, max_seqlen_q, max_seqlen_k, layout_query, layout_key, sparse_count,
-                           sparse_mode, cmp_ratio))
-        return torch.zeros(1024, dtype=torch.int32)
-
-    def npu_quant_lightning_indexer(self, query, key, weights, query_dequant_scale, key_dequant_scale,
-                                    query_quant_mode, key_quant_mode, *, actual_seq_lengths_query=None,
-                                    actual_seq_lengths_key=None, block_table=None, metadata=None,
-                                    layout_query="BSND", layout_key="PA_BSND", sparse_count=2048, sparse_mode=3,
-                                    pre_tokens=2 ** 63 - 1, next_tokens=2 ** 63 - 1, cmp_ratio=1,
-                                    return_value=False, query_dtype=None, key_dtype=None):
-        # custom-npu_quant_lightning_indexer.md: Top-k of sum_h W * ReLU((sq sk) * (q . k)), TND / PA_BSND
-        T, n1, d = query.shape
-        nb, bs, n2, _ = key.shape
-        assert query.dtype == key.dtype == torch.int8 and (n1, n2, d) == (64, 1, 128)
-        assert weights.dtype == query_dequant_scale.dtype == key_dequant_scale.dtype == torch.float16
-        assert key_dequant_scale.shape == (nb, bs, 1) and weights.shape == query_dequant_scale.shape == (T, 64)
-        assert block_table.dtype == torch.int32 and block_table.dim() == 2 and metadata is not None
-        assert (layout_query, layout_key, sparse_mode, return_value) == ("TND", "PA_BSND", 3, False)
-        self.calls.append(("quant_li", tuple(key.shape), tuple(block_table.shape), sparse_count, cmp_ratio))
-        S2 = int(actual_seq_lengths_key[0])
-        n = S2 // cmp_ratio
-        ids = torch.arange(n)
-        rows = block_table[0, ids // bs].long() * bs + ids % bs
-        k = key.view(nb * bs, d)[rows].float() * key_dequant_scale.view(-1)[rows, None].float()
-        q = query.float() * query_dequant_scale.float()[..., None]
-        s = (torch.einsum("thd,nd->thn", q, k).relu() * weights.float()[..., None]).sum(1)
-        seen = (S2 - T + torch.arange(T) + 1) // cmp_ratio
-        s = s.masked_fill(ids[None] >= seen[:, None], float("-inf"))
-        kk = min(sparse_count, n)
-        v, top = s.topk(kk, dim=-1)                                       # by score, not by id
-        top = torch.where(torch.isinf(v), -1, top)
-        out = torch.full((T, sparse_count), -1, dtype=torch.int32)
-        out[:, :kk] = top.int()
-        return out.view(T, 1, sparse_count), None
-
-
-class TwinNpu:
-    """``torch_npu.npu_dynamic_quant`` [OPP]: per-row symmetric int8, fp32 scale amax / 127."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def npu_dynamic_quant(self, x, *, smooth_scales=None):
-        assert x.dtype in (torch.float16, torch.bfloat16)
-        self.calls.append(("npu_dynamic_quant", x.dtype, tuple(x.shape)))
-        s = x.float().abs().amax(-1, keepdim=True) / 127
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return torch.round(x.float() / s).clamp(-127, 127).to(torch.int8), s.squeeze(-1)
+        def call(*args, **kwargs):
+            self.calls.append(RECORD[name](stub.bind(args, kwargs)))
+            return stub(*args, **kwargs)
+        return call
 
 
 @pytest.fixture
 def twin(monkeypatch, caplog):
-    t = TwinCustom()
+    t = Twin(CUSTOM, [])
     monkeypatch.setattr(npu_runtime, "_LOGGED", set())
-    monkeypatch.setattr(cq, "device_why", lambda x: None)                 # pretend the tensors are on an NPU
+    monkeypatch.setattr(npu_runtime, "NPU_DEVICE_TYPES", ("npu", "cpu"))  # CPU tensors count as on an NPU
     monkeypatch.setattr(cq, "custom_namespace", lambda: t)
-    monkeypatch.setattr(cq, "torch_npu_module", lambda: TwinNpu(t.calls))
+    monkeypatch.setattr(cq, "torch_npu_module", lambda: Twin(NPU, t.calls))
     caplog.set_level(logging.INFO, logger="engine.ops.npu")
     return t
 

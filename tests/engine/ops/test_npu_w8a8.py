@@ -1,64 +1,55 @@
-"""The W8A8 routed-expert path of ``engine.ops.npu.moe.moe_experts`` against a contract stub: a
-pure-torch twin of the four torch_npu kernels that records each call's dtypes and shapes. The
-wrapper must hand the kernels the stored int8 experts as they are (no dequantised copy), with the
-documented layouts, and its result must equal the reference op within int8 rounding."""
+"""The W8A8 routed-expert path of ``engine.ops.npu.moe.moe_experts`` against a contract stub: the
+pure-torch twins of the four torch_npu kernels in ``bench.npu_stub``, recording each call's dtypes
+and shapes. The wrapper must hand the kernels the stored int8 experts as they are (no dequantised
+copy), with the documented layouts, and its result must equal the reference op within int8
+rounding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import engine.ops.npu.moe as npu_moe
+import engine.ops.npu.runtime as npu_runtime
+from bench import npu_stub
 from engine.checkpoint.int8_int4 import quant_int8
 from engine.ops import reference
 from engine.ops.packed import Packed
 
 
+NPU = npu_stub.kernels("torch_npu")
+
+
 class TwinNpu:
-    """torch_npu's routing / GMM / dynamic-quant / finalize in pure torch, recording every call."""
+    """torch_npu's routing / GMM / dynamic-quant / finalize: ``bench.npu_stub``'s contract stubs
+    (pure torch, each checking its documented contract), recording every call."""
 
     def __init__(self):
         self.calls = []
 
-    def npu_moe_init_routing_v2(self, x, expert_idx, *, active_num, expert_num, **kw):
-        assert expert_idx.dtype == torch.int32 and kw["row_idx_type"] == 0 and kw["expert_tokens_num_type"] == 1
-        k = expert_idx.shape[1]
-        order = torch.argsort(expert_idx.reshape(-1).long(), stable=True)
+    def npu_moe_init_routing_v2(self, x, expert_idx, **kw):
         self.calls.append(("init_routing", x.dtype, tuple(x.shape)))
-        return x[order // k], order, torch.bincount(expert_idx.reshape(-1).long(), minlength=expert_num), None
+        return NPU.npu_moe_init_routing_v2(x, expert_idx, **kw)
 
-    def npu_dynamic_quant(self, a):
-        s = a.float().abs().amax(-1, keepdim=True) / 127
-        s = torch.where(s > 0, s, torch.ones_like(s))
+    def npu_dynamic_quant(self, a, **kw):
         self.calls.append(("dynamic_quant", a.dtype, tuple(a.shape)))
-        return torch.round(a.float() / s).clamp(-127, 127).to(torch.int8), s.squeeze(-1)
+        return NPU.npu_dynamic_quant(a, **kw)
 
-    def npu_grouped_matmul(self, x, weight, *, group_list, split_item, group_type, group_list_type, scale=None,
-                           per_token_scale=None, output_dtype=None):
-        (a,), (w,) = x, weight
-        assert split_item == 3 and group_type == 0 and group_list_type == 1
-        self.calls.append(("gmm", a.dtype, w.dtype, tuple(w.shape), None if scale is None else scale[0].dtype,
-                           None if per_token_scale is None else per_token_scale[0].dtype, output_dtype))
-        out, start = [], 0
-        for e, c in enumerate(group_list.tolist()):
-            y = a[start:start + c].float() @ w[e].float()
-            if scale is not None:
-                y = y * scale[0][e].float() * per_token_scale[0][start:start + c, None]
-            out.append(y)
-            start += c
-        return [torch.cat(out).to(output_dtype or a.dtype)]
+    def npu_grouped_matmul(self, x, weight, **kw):
+        scale, pts = kw.get("scale"), kw.get("per_token_scale")
+        self.calls.append(("gmm", x[0].dtype, weight[0].dtype, tuple(weight[0].shape),
+                           None if scale is None else scale[0].dtype, None if pts is None else pts[0].dtype,
+                           kw.get("output_dtype")))
+        return NPU.npu_grouped_matmul(x, weight, **kw)
 
-    def npu_moe_finalize_routing(self, y, s1, s2, bias, scales, row_idx, ex, *, drop_pad_mode):
-        k = scales.shape[1]
-        out = torch.zeros(scales.shape[0], y.shape[1], dtype=torch.float32)
-        out.index_add_(0, row_idx // k, y.float() * scales.reshape(-1)[row_idx, None].float())
-        self.calls.append(("finalize", y.dtype, drop_pad_mode))
-        return out.to(y.dtype)
+    def npu_moe_finalize_routing(self, y, *args, **kw):
+        self.calls.append(("finalize", y.dtype, kw.get("drop_pad_mode")))
+        return NPU.npu_moe_finalize_routing(y, *args, **kw)
 
 
 @pytest.fixture
 def twin(monkeypatch):
     t = TwinNpu()
-    monkeypatch.setattr(npu_moe, "device_why", lambda x: None)            # pretend the tensors are on an NPU
+    monkeypatch.setattr(npu_runtime, "NPU_DEVICE_TYPES", ("npu", "cpu"))  # CPU tensors count as on an NPU
     monkeypatch.setattr(npu_moe, "torch_npu_module", lambda: t)
     monkeypatch.setattr(npu_moe, "api_available", lambda api, mod: False)  # the reference SwiGLU in between
     return t

@@ -1,0 +1,222 @@
+"""``bench.npu_stub``: with the stub installed, ``ops_for("npu")`` puts every mapped op on its NPU
+wrapper, each wrapper's in-contract call (bf16, the real Flash widths where a contract fixes them)
+reaches the stub kernels it names in ``KERNEL_APIS`` without falling back and returns the reference
+op's shapes and dtypes (and its values where the stub computes them), an fp32 call still falls
+back, and ``uninstall()`` restores the process.
+
+The installed part runs in a child process (this file run as a script prints a JSON report):
+registering ``torch.ops.custom`` here would change other tests' ``api_available`` answers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+T = 5
+# the stub APIs each case must reach (sorted, without repeats)
+EXPECTED = {
+    "rms_norm": ["torch_npu.npu_rms_norm"],
+    "rope": ["custom.inplace_partial_rotary_mul"],
+    "grouped_linear": ["torch_npu.npu_transpose_batchmatmul"],
+    "hc_pre": ["custom.npu_hc_pre"],
+    "hc_post": ["custom.npu_hc_post"],
+    "sparse_attn": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "sparse_attn_hca": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "sparse_attn_window": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "gating_topk": ["custom.npu_moe_gating_top_k"],
+    "gating_topk_hash": ["custom.npu_moe_gating_top_k"],
+    "swiglu_clamp": ["torch_npu.npu_clipped_swiglu"],
+    "moe_experts": ["torch_npu.npu_clipped_swiglu", "torch_npu.npu_grouped_matmul",
+                    "torch_npu.npu_moe_finalize_routing", "torch_npu.npu_moe_init_routing_v2"],
+    "moe_experts_w8a8": ["torch_npu.npu_clipped_swiglu", "torch_npu.npu_dynamic_quant",
+                         "torch_npu.npu_grouped_matmul", "torch_npu.npu_moe_finalize_routing",
+                         "torch_npu.npu_moe_init_routing_v2"],
+    "quant_linear": ["torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"],
+    "cache_write_kv_fp8": ["custom.kv_compress_epilog"],
+    "cache_write_indexer_fp8": ["custom.indexer_compress_epilog"],
+    "cache_write_indexer_int8": ["custom.scatter_nd_update_asc", "torch_npu.npu_dynamic_quant"],
+    "cache_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
+                           "torch_npu.npu_dynamic_quant"],
+}
+PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window"}     # zeros: shape / dtype only
+
+
+def _cases() -> dict[str, tuple[str, tuple]]:
+    """Case name -> (op, in-contract bf16 arguments)."""
+    from engine.ops import reference as R
+    from engine.ops.cache_codec import CacheCodec, CacheRows
+    from engine.ops.packed import Packed
+    g = torch.Generator().manual_seed(0)
+    bf, f32 = torch.bfloat16, torch.float32
+
+    def rnd(*shape, dtype=bf, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    def int8(*shape):
+        return Packed(torch.randint(-127, 128, shape, generator=g, dtype=torch.int8),
+                      rnd(*shape[:-1], 1, dtype=f32).abs() * 0.01, "int8")
+
+    def pool(kind, dim, indexer, rows=12):
+        return CacheRows.zeros(CacheCodec(kind, dim, bf, rope_dim=0 if indexer else 64, indexer=indexer), rows, "cpu")
+
+    ang = rnd(T, 32, dtype=f32)
+    gw, gid = R.gating_topk(rnd(T, 8, dtype=f32), rnd(8, dtype=f32), None, 2, 1.5)
+    pos = torch.arange(600, 602)                                       # CSA: 150 closed entries, top-k 512
+    topk = torch.full((2, 512), -1)
+    topk[:, :150] = torch.arange(150)
+    keys = pool("int8", 128, True, rows=3 * 16 + 1)                   # 3 blocks of 16 + the trash row
+    ids = torch.arange(71 // 4)                                        # entries 0..16 in blocks 2, 0
+    keys.write(torch.tensor([2, 0])[ids // 16] * 16 + ids % 16, rnd(17, 128))
+    return {
+        "rms_norm": ("rms_norm", (rnd(T, 4096), rnd(4096, dtype=f32), 1e-6)),
+        "rope": ("rope", (rnd(T, 64, 512), ang.cos(), ang.sin())),
+        "grouped_linear": ("grouped_linear", (rnd(T, 2, 64), rnd(2 * 32, 64, s=0.1))),
+        "hc_pre": ("hc_pre", (rnd(T, 4, 4096), rnd(24, 16384, dtype=f32, s=0.01), rnd(3, dtype=f32),
+                              rnd(24, dtype=f32), 1e-6, 1e-6, 20)),
+        "hc_post": ("hc_post", (rnd(T, 4096), rnd(T, 4, 4096), rnd(T, 4, dtype=f32).sigmoid(),
+                                rnd(T, 4, 4, dtype=f32).softmax(-1))),
+        "sparse_attn": ("sparse_attn", (rnd(2, 64, 512), pos, rnd(129, 512), 473, 128, rnd(150, 512), 4, topk,
+                                        rnd(64, dtype=f32), 0.04)),
+        "sparse_attn_hca": ("sparse_attn", (rnd(2, 64, 512), pos, rnd(129, 512), 473, 128, rnd(5, 512), 128, None,
+                                            rnd(64, dtype=f32), 0.04)),
+        "sparse_attn_window": ("sparse_attn", (rnd(2, 64, 512), pos, rnd(129, 512), 473, 128, None, 1, None,
+                                               rnd(64, dtype=f32), 0.04)),
+        "gating_topk": ("gating_topk", (rnd(T, 256, dtype=f32), rnd(256, dtype=f32, s=0.1), None, 6, 2.5)),
+        "gating_topk_hash": ("gating_topk", (rnd(T, 256, dtype=f32), None,
+                                             torch.randint(0, 256, (T, 6), generator=g), 6, 2.5)),
+        "swiglu_clamp": ("swiglu_clamp", (rnd(T, 2048, s=4), rnd(T, 2048, s=4), 10.0)),
+        "moe_experts": ("moe_experts", (rnd(T, 64), gid, gw, rnd(8, 32, 64, s=0.1), rnd(8, 32, 64, s=0.1),
+                                        rnd(8, 64, 32, s=0.1), 10.0)),
+        "moe_experts_w8a8": ("moe_experts", (rnd(T, 64), gid, gw, int8(8, 32, 64), int8(8, 32, 64), int8(8, 64, 32),
+                                             10.0, "int8-token")),
+        "quant_linear": ("quant_linear", (rnd(T, 64), int8(32, 64), "int8-token")),
+        "cache_write_kv_fp8": ("cache_write", (pool("fp8", 512, False), torch.tensor([7, 0, 3]), rnd(3, 512))),
+        "cache_write_indexer_fp8": ("cache_write", (pool("fp8", 128, True), torch.tensor([7, 0, 3]), rnd(3, 128))),
+        "cache_write_indexer_int8": ("cache_write", (pool("int8", 128, True), torch.tensor([7, 0, 3]),
+                                                     rnd(3, 128))),
+        # weights exact in fp16 and scale 1: the kernel's fp16 weights score as the reference does
+        "cache_indexer_topk": ("cache_indexer_topk", (rnd(T, 64, 128), torch.randint(-8, 9, (T, 64), generator=g) / 64,
+                                                      keys, torch.tensor([2, 0]), 16, torch.arange(66, 71), 4, 512,
+                                                      1.0)),
+    }
+
+
+def _close(got, want) -> bool:
+    """Same values: exact for ids, pools and int outputs; float outputs within 2% of their largest
+    magnitude (bf16 rounding, and W8A8's int8 rounding of the hidden rows, differ per element)."""
+    if isinstance(got, tuple):
+        return all(_close(a, b) for a, b in zip(got, want))
+    if not got.is_floating_point():
+        return torch.equal(got, want)
+    return bool((got.float() - want.float()).abs().max() <= 0.02 * want.float().abs().max() + 1e-3)
+
+
+def _describe(out) -> list:
+    outs = out if isinstance(out, tuple) else (out,)
+    return [None if o is None else [list(o.shape), str(o.dtype)] for o in outs]
+
+
+def child_report() -> dict:
+    """Install the stub, run every case through ``ops_for("npu")`` and the reference, uninstall."""
+    import copy
+
+    import engine.ops.npu as npu
+    import engine.ops.reference as R
+    from bench import npu_stub
+    from engine.ops import ops_for
+    rt = npu_stub.install()
+    table = ops_for("npu")
+    rep = {"not_wrapped": [op for op in npu.KERNEL_APIS if getattr(table, op) is not npu.KERNELS[op]],
+           "all_apis": sorted({a for apis in npu.KERNEL_APIS.values() for a in apis}), "cases": {}}
+    for name, (op, args) in _cases().items():
+        ref_args = copy.deepcopy(args)                                 # the pools are written in place
+        n_calls, n_fb = len(rt.calls), len(rt.fallbacks)
+        out, want = getattr(table, op)(*args), getattr(R, op)(*ref_args)
+        if op == "cache_write":                                        # compare the pools' bytes
+            out, want = tuple(args[0].parts), tuple(ref_args[0].parts)
+        rep["cases"][name] = {"apis": sorted({c.api for c in rt.calls[n_calls:]}), "fallbacks": rt.fallbacks[n_fb:],
+                              "got": _describe(out), "want": _describe(want),
+                              "close": None if name in PLACEHOLDER else _close(out, want)}
+    n_calls = len(rt.calls)
+    x = torch.randn(T, 64)
+    rep["fp32"] = {"same": torch.equal(table.rms_norm(x, None, 1e-6), R.rms_norm(x, None, 1e-6)),
+                   "calls": len(rt.calls) - n_calls, "fallbacks": rt.fallbacks[-1:]}
+    npu_stub.uninstall()
+    n_fb = len(rt.fallbacks)
+    table.rms_norm(x.bfloat16(), None, 1e-6)
+    rep["after"] = {"modules": [m for m in ("torch_npu", "custom_ops") if m in sys.modules],
+                    "device_types": list(npu.runtime.NPU_DEVICE_TYPES),
+                    "observers": len(npu.runtime.FALLBACK_OBSERVERS), "recorded": len(rt.fallbacks) - n_fb,
+                    "calls": len(rt.calls) - n_calls}
+    try:
+        ops_for("npu")
+        rep["after"]["ops_for"] = "built"
+    except ImportError as e:
+        rep["after"]["ops_for"] = type(e).__name__
+    return rep
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_every_mapped_op_gets_its_wrapper(report):
+    assert report["not_wrapped"] == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_in_contract_call_reaches_the_stub_kernels(report, name):
+    case = report["cases"][name]
+    assert case["fallbacks"] == [] and case["apis"] == EXPECTED[name]
+    assert case["got"] == case["want"]                                  # the reference op's shapes and dtypes
+    assert case["close"] in (None, True) and (case["close"] is None) == (name in PLACEHOLDER)
+
+
+def test_the_cases_reach_every_api(report):
+    assert sorted({a for c in report["cases"].values() for a in c["apis"]}) == report["all_apis"]
+
+
+def test_fp32_still_falls_back(report):
+    fp32 = report["fp32"]
+    assert fp32["same"] and fp32["calls"] == 0
+    [(op, reason)] = fp32["fallbacks"]
+    assert op == "rms_norm" and "dtype float32" in reason
+
+
+def test_uninstall_restores_the_process(report):
+    assert report["after"] == {"modules": [], "device_types": ["npu"], "observers": 0, "recorded": 0, "calls": 0,
+                               "ops_for": "NpuUnavailableError"}
+
+
+# ---- in this process: nothing installed ------------------------------------------------------------
+def test_import_installs_nothing_and_kernels_check_their_contract():
+    from bench import npu_stub
+    from bench.npu_stub_kernels import ContractError
+    assert "torch_npu" not in sys.modules and "custom_ops" not in sys.modules
+    npu = npu_stub.kernels("torch_npu")
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    y, rstd = npu.npu_rms_norm(x, torch.ones(16, dtype=torch.bfloat16), epsilon=1e-6)
+    assert y.dtype == torch.bfloat16 and rstd.shape == (2, 1)
+    with pytest.raises(TypeError, match="unknown argument 'eps'"):
+        npu.npu_rms_norm(x, torch.ones(16), eps=1e-6)
+    with pytest.raises(TypeError, match="missing argument 'gamma'"):
+        npu.npu_rms_norm(x)
+    with pytest.raises(ContractError, match="npu_dynamic_quant: input fp16 / bf16"):
+        npu.npu_dynamic_quant(x.float())
+    with pytest.raises(NotImplementedError, match="rotary_mode 'half'"):
+        npu_stub.kernels("custom").inplace_partial_rotary_mul(x.view(1, 2, 1, 16), x[:, :8], x[:, :8],
+                                                              rotary_mode="half", partial_slice=[8, 16])
+
+
+if __name__ == "__main__":
+    print(json.dumps(child_report()))
