@@ -360,9 +360,9 @@ def scatter_nd_update_asc(var, indices, update, **_):
 def npu_quant_lightning_indexer_metadata(num_heads_k, query_quant_mode, key_quant_mode, batch_size, layout_query,
                                          layout_key, **_):
     """A placeholder: 1024 int32 zeros (the real tensor is the kernel's tiling plan)."""
-    need((num_heads_k, query_quant_mode, key_quant_mode, batch_size) == (1, 0, 0, 1)
+    need((num_heads_k, query_quant_mode, key_quant_mode) == (1, 0, 0) and batch_size >= 1
          and (layout_query, layout_key) == ("TND", "PA_BSND"), "npu_quant_lightning_indexer_metadata",
-         "one key head, quant modes 0, TND / PA_BSND (the stub takes batch 1)")
+         "one key head, quant modes 0, batch_size >= 1, TND / PA_BSND")
     return torch.zeros(1024, dtype=torch.int32)
 
 
@@ -372,8 +372,9 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
                                 return_value, **_):
     """(indices int32 ``[T, 1, sparse_count]``, values: an empty fp32 tensor). Top-``sparse_count``
     (by score, -1 padded) of ``sum_h w_h ReLU(sq_h sk (q_h . k))`` over the closed compressed
-    entries each query sees (query i at ``S2 - T + i`` sees ``(S2 - T + i + 1) // cmp_ratio``).
-    One sequence (the wrappers' B = 1)."""
+    entries each query sees (query i of a sequence of T_b queries and S2 keys sits at ``S2 - T_b +
+    i`` and sees ``(S2 - T_b + i + 1) // cmp_ratio``), for each of the B sequences of
+    ``block_table`` (one per decode row, or one prefill chunk)."""
     api = "npu_quant_lightning_indexer"
     T, n1, d = query.shape
     nb, bs, n2, _ = key.shape
@@ -388,20 +389,27 @@ def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_de
     need((layout_query, layout_key, sparse_mode, query_quant_mode, key_quant_mode) == ("TND", "PA_BSND", 3, 0, 0)
          and 1 <= sparse_count <= 2048 and cmp_ratio in (1, 2, 4, 8, 16, 32, 64, 128), api,
          "TND / PA_BSND, sparse_mode 3, quant modes 0, sparse_count 1..2048, cmp_ratio a power of two <= 128")
-    if return_value or block_table.shape[0] != 1 or actual_seq_lengths_query.tolist() != [T]:
-        raise unmodelled(api, "return_value or more than one sequence")
-    S2 = int(actual_seq_lengths_key[0])
-    n = S2 // cmp_ratio
-    ids = torch.arange(n)
-    rows = block_table[0, ids // bs].long() * bs + ids % bs
-    k = key.view(nb * bs, d)[rows].float() * key_dequant_scale.view(-1)[rows, None].float()
-    q = query.float() * query_dequant_scale.float()[..., None]
-    s = (torch.einsum("thd,nd->thn", q, k).relu() * weights.float()[..., None]).sum(1)
-    seen = (S2 - T + torch.arange(T) + 1) // cmp_ratio
-    s = s.masked_fill(ids[None] >= seen[:, None], float("-inf"))
-    kk = min(sparse_count, n)
-    v, top = s.topk(kk, dim=-1)                                          # by score, not by id
-    top = torch.where(torch.isinf(v), -1, top)
+    cu = [0, *actual_seq_lengths_query.tolist()]                       # prefix sums of query counts
+    B = block_table.shape[0]
+    if return_value:
+        raise unmodelled(api, "return_value")
+    need(len(cu) == B + 1 == actual_seq_lengths_key.shape[0] + 1 and cu[-1] == T
+         and all(a <= b for a, b in zip(cu, cu[1:])), api,
+         "actual_seq_lengths_query: B ascending prefix sums ending at T; actual_seq_lengths_key [B]")
     out = torch.full((T, sparse_count), -1, dtype=torch.int32)
-    out[:, :kk] = top.int()
+    for b in range(B):
+        t0, t1, S2 = cu[b], cu[b + 1], int(actual_seq_lengths_key[b])
+        n = S2 // cmp_ratio
+        if n == 0 or t1 == t0:
+            continue
+        ids = torch.arange(n)
+        rows = block_table[b, ids // bs].long() * bs + ids % bs
+        k = key.view(nb * bs, d)[rows].float() * key_dequant_scale.view(-1)[rows, None].float()
+        q = query[t0:t1].float() * query_dequant_scale[t0:t1].float()[..., None]
+        s = (torch.einsum("thd,nd->thn", q, k).relu() * weights[t0:t1].float()[..., None]).sum(1)
+        seen = (S2 - (t1 - t0) + torch.arange(t1 - t0) + 1) // cmp_ratio
+        s = s.masked_fill(ids[None] >= seen[:, None], float("-inf"))
+        kk = min(sparse_count, n)
+        v, top = s.topk(kk, dim=-1)                                      # by score, not by id
+        out[t0:t1, :kk] = torch.where(torch.isinf(v), -1, top).int()
     return out.view(T, 1, sparse_count), torch.empty(0)

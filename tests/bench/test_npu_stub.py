@@ -43,8 +43,15 @@ EXPECTED = {
     "cache_write_indexer_int8": ["custom.scatter_nd_update_asc", "torch_npu.npu_dynamic_quant"],
     "cache_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                            "torch_npu.npu_dynamic_quant"],
+    "decode_sparse_attn": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_sparse_attn_hca": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_sparse_attn_window": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
+                            "torch_npu.npu_dynamic_quant"],
 }
-PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window"}     # zeros: shape / dtype only
+PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window", "decode_sparse_attn", "decode_sparse_attn_hca",
+               "decode_sparse_attn_window"}                           # zeros: shape / dtype only
+DECODE_POS = [600, 601, 130]          # three decode rows (B = 3), blocks of 16, a ring of 256 slots
 
 
 def _cases() -> dict[str, tuple[str, tuple]]:
@@ -73,7 +80,9 @@ def _cases() -> dict[str, tuple[str, tuple]]:
     keys = pool("int8", 128, True, rows=3 * 16 + 1)                   # 3 blocks of 16 + the trash row
     ids = torch.arange(71 // 4)                                        # entries 0..16 in blocks 2, 0
     keys.write(torch.tensor([2, 0])[ids // 16] * 16 + ids % 16, rnd(17, 128))
+    dec = _decode_cases(rnd, pool)
     return {
+        **dec,
         "rms_norm": ("rms_norm", (rnd(T, 4096), rnd(4096, dtype=f32), 1e-6)),
         "rope": ("rope", (rnd(T, 64, 512), ang.cos(), ang.sin())),
         "grouped_linear": ("grouped_linear", (rnd(T, 2, 64), rnd(2 * 32, 64, s=0.1))),
@@ -104,6 +113,43 @@ def _cases() -> dict[str, tuple[str, tuple]]:
         "cache_indexer_topk": ("cache_indexer_topk", (rnd(T, 64, 128), torch.randint(-8, 9, (T, 64), generator=g) / 64,
                                                       keys, torch.tensor([2, 0]), 16, torch.arange(66, 71), 4, 512,
                                                       1.0)),
+    }
+
+
+def _decode_cases(rnd, pool) -> dict[str, tuple[str, tuple]]:
+    """B = 3 decode rows over paged pools: each row its own ring blocks, entry blocks and key blocks."""
+    from engine.ops.cache_codec import CacheCodec, CacheRows
+    g = torch.Generator().manual_seed(1)
+    bs, ring, B = 16, 256, len(DECODE_POS)
+    pos = torch.tensor(DECODE_POS)
+    win = CacheRows.zeros(CacheCodec("none", 512, torch.bfloat16), B * ring + 1, "cpu")
+    win.write(torch.arange(B * ring), rnd(B * ring, 512))
+    win_table = torch.arange(B * ring // bs).view(B, ring // bs)
+    csa = CacheRows.zeros(CacheCodec("none", 512, torch.bfloat16), B * 10 * bs + 1, "cpu")
+    csa.write(torch.arange(B * 10 * bs), rnd(B * 10 * bs, 512))
+    csa_table = torch.randperm(B * 10, generator=g).view(B, 10)
+    n = [(p + 1) // 4 for p in DECODE_POS]
+    topk = torch.full((B, 512), -1)
+    for b in range(B):
+        topk[b, :n[b]] = torch.arange(n[b])
+    hca = CacheRows.zeros(CacheCodec("none", 512, torch.bfloat16), B * bs + 1, "cpu")
+    hca.write(torch.arange(B * bs), rnd(B * bs, 512))
+    keys = pool("int8", 128, True, rows=B * 3 * bs + 1)
+    keys.write(torch.arange(B * 3 * bs), rnd(B * 3 * bs, 128))
+    ipos = torch.tensor([66, 70, 40])
+    q, sinks = rnd(B, 64, 512), rnd(64, dtype=torch.float32)
+    return {
+        "decode_sparse_attn": ("decode_sparse_attn", (q, pos, DECODE_POS, win, win_table, ring, 128, csa, csa_table, 4,
+                                                      topk, sinks, 0.04, bs)),
+        "decode_sparse_attn_hca": ("decode_sparse_attn", (q, pos, DECODE_POS, win, win_table, ring, 128, hca,
+                                                          torch.arange(B).view(B, 1), 128, None, sinks, 0.04, bs)),
+        "decode_sparse_attn_window": ("decode_sparse_attn", (q, pos, DECODE_POS, win, win_table, ring, 128, None, None,
+                                                             1, None, sinks, 0.04, bs)),
+        # weights exact in fp16, scale 1: the kernel's fp16 weights score as the reference does
+        "decode_indexer_topk": ("decode_indexer_topk", (rnd(B, 64, 128),
+                                                        torch.randint(-8, 9, (B, 64), generator=g) / 64, keys,
+                                                        torch.randperm(B * 3, generator=g).view(B, 3), bs, ipos,
+                                                        ipos.tolist(), 4, 8, 1.0)),
     }
 
 
@@ -141,6 +187,7 @@ def child_report() -> dict:
         if op == "cache_write":                                        # compare the pools' bytes
             out, want = tuple(args[0].parts), tuple(ref_args[0].parts)
         rep["cases"][name] = {"apis": sorted({c.api for c in rt.calls[n_calls:]}), "fallbacks": rt.fallbacks[n_fb:],
+                              "shapes": {c.api: {k: list(v[0]) for k, v in c.tensors.items()} for c in rt.calls[n_calls:]},
                               "got": _describe(out), "want": _describe(want),
                               "close": None if name in PLACEHOLDER else _close(out, want)}
     n_calls = len(rt.calls)
@@ -180,6 +227,20 @@ def test_in_contract_call_reaches_the_stub_kernels(report, name):
     assert case["fallbacks"] == [] and case["apis"] == EXPECTED[name]
     assert case["got"] == case["want"]                                  # the reference op's shapes and dtypes
     assert case["close"] in (None, True) and (case["close"] is None) == (name in PLACEHOLDER)
+
+
+def test_decode_rows_are_one_kernel_call_of_b_sequences(report):
+    B, S2 = len(DECODE_POS), max(DECODE_POS) + 1
+    for name in ("decode_sparse_attn", "decode_sparse_attn_hca", "decode_sparse_attn_window"):
+        a = report["cases"][name]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+        assert a["q"] == [B, 64, 512] and a["cu_seqlens_q"] == [B + 1] and a["seqused_kv"] == [B]
+        assert a["ori_kv"] == [B * 256 // 16, 16, 1, 512]              # the ring pool in place, no copy
+        assert a["ori_block_table"] == [B, -(-S2 // 16)]               # O(context) logical blocks per row
+    csa = report["cases"]["decode_sparse_attn"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    assert csa["cmp_sparse_indices"] == [B, 1, 512] and csa["cmp_block_table"] == [B, 10]
+    assert "cmp_kv" not in report["cases"]["decode_sparse_attn_window"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    li = report["cases"]["decode_indexer_topk"]["shapes"]["custom.npu_quant_lightning_indexer"]
+    assert li["query"] == [B, 64, 128] and li["block_table"] == [B, 3] and li["actual_seq_lengths_key"] == [B]
 
 
 def test_the_cases_reach_every_api(report):
