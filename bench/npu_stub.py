@@ -297,8 +297,8 @@ def install() -> StubRuntime:
 
 
 def uninstall() -> None:
-    """Undo ``install()``: ``sys.modules``, ``NPU_DEVICE_TYPES`` and the fallback observer as they
-    were. The ``torch.library`` registrations and ``api_available``'s cache stay (module
+    """Undo ``install()``: ``sys.modules``, ``NPU_DEVICE_TYPES``, ``TORCH_NPU`` and the fallback
+    observer as they were. The ``torch.library`` registrations and ``api_available``'s cache stay (module
     docstring). A no-op when not installed."""
     if not _STATE:
         return
@@ -310,5 +310,6 @@ def uninstall() -> None:
         else:
             sys.modules[name] = mod
     runtime.NPU_DEVICE_TYPES = device_types
+    runtime.TORCH_NPU = None                              # npu_ops cached the stub module there
     if rt.note_fallback in runtime.FALLBACK_OBSERVERS:
         runtime.FALLBACK_OBSERVERS.remove(rt.note_fallback)

@@ -3,6 +3,7 @@ CPU op table, held here so a change to the decode path shows up as a changed cou
 on their own; its CLI errors."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,11 +63,43 @@ def test_eager_decode_step_host_syncs_by_site(fig):
 def test_graph_step_has_no_host_sync_and_no_graph_break(fig):
     g = fig["graph_step"]
     assert g["host_syncs_per_step"] == 0 and g["sync_sites"] == {}
-    assert g["graph_breaks"] == 0 and g["break_reasons"] == []
+    assert g["graph_breaks"] == 0 and g["stub_graph_breaks"] == 0 and g["break_reasons"] == []
     ref = {op: row["reference"] for op, row in g["ops"].items()}
     assert ref["hc_pre"] == 2 * LAYERS and ref["hc_head"] == 1
     assert "moe_experts" not in ref          # the routed experts are gathered per slot, outside the seam
     assert "lm_head" not in ref              # the graph step returns hidden states; logits are the engine's
+
+
+@pytest.fixture(scope="module")
+def stub_fig(tiny_ckpt):
+    """``dsv4-bench census --platform npu-stub --json`` in its own process (the stub registers
+    torch.ops.custom for the life of a process) on the A3 decode config (bf16)."""
+    r = subprocess.run([sys.executable, "-m", "bench.cli", "census", "--config",
+                        "configs/deepseek-v4-flash-a3-decode.yaml", "--ckpt", str(tiny_ckpt("flash", 1)),
+                        "--platform", "npu-stub", "--batch", "3", "--context", "140", "--steps", "1", "--graph",
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_npu_stub_census_decodes_all_rows_in_one_call_per_layer(stub_fig):
+    ops = stub_fig["ops"]
+    assert stub_fig["platform"] == "npu-stub" and stub_fig["dtype"] == "bfloat16" and stub_fig["batch"] == 3
+    # the NPU table keeps decode batched: one attention call per layer and one indexer call per CSA
+    # layer for the 3 rows (the tiny preset's 4 x 128 heads are outside the kernel's 64 x 512)
+    att = ops["decode_sparse_attn"]
+    assert att["fallback"] == {"heads x dim 4 x 128, kernel takes 64 x 512": LAYERS} and att["kernel"] == 0
+    assert sum(ops["decode_indexer_topk"]["fallback"].values()) == CSA_LAYERS
+    for op in ("sparse_attn", "cache_indexer_topk", "cache_sparse_attn"):
+        assert op not in ops                              # no per-sequence attention at decode
+    assert ops["gating_topk"]["kernel"] == LAYERS and ops["rope"]["kernel"] > 0     # kernels are reached
+    assert not any("npu_stub" in s for s in stub_fig["sync_sites"])     # the stub kernels run on a device there
+
+
+def test_npu_stub_graph_step_has_no_graph_break_of_ours(stub_fig):
+    g = stub_fig["graph_step"]
+    assert g["graph_breaks"] == 0 and g["break_reasons"] == [] and g["host_syncs_per_step"] == 0
+    assert g["stub_graph_breaks"] > 0                        # the stub's Python binding, counted apart
 
 
 def test_sync_counter_counts_kinds_and_sites():

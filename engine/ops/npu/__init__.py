@@ -39,6 +39,7 @@ from engine.ops.npu.attention import sparse_attn
 from engine.ops.npu.cache_quant import cache_indexer_topk, cache_write
 from engine.ops.npu.decode import decode_indexer_topk, decode_sparse_attn
 from engine.ops.npu.dense import grouped_linear, quant_linear, rms_norm, rope
+from engine.ops.npu import runtime
 from engine.ops.npu.runtime import api_available, load_custom_ops, log_fallback, log_reference_op
 from engine.ops.npu.mhc import hc_post, hc_pre
 from engine.ops.npu.moe import gating_topk, moe_experts, swiglu_clamp
@@ -148,6 +149,7 @@ def npu_ops(base: Ops, kernel_config: dict[str, str] | None = None) -> Ops:
     """
     cfg = validate_kernel_config(kernel_config)
     torch_npu = _import_torch_npu()
+    runtime.TORCH_NPU = torch_npu
     load_custom_ops()
     overrides: dict[str, Callable] = {}
     for name in OP_NAMES:

@@ -84,9 +84,14 @@ def first_reason(*reasons: str | None) -> str | None:
     return next((r for r in reasons if r), None)
 
 
+# torch_npu as ``npu_ops`` imported it: the wrappers read this global on their kernel path, which a
+# graph tracer (npugraph_ex, torchair) follows, where it would break the graph at importlib
+TORCH_NPU = None
+
+
 def torch_npu_module():
     """The torch_npu module; reached only after a wrapper's checks passed (inputs on an NPU)."""
-    return importlib.import_module("torch_npu")
+    return TORCH_NPU if TORCH_NPU is not None else importlib.import_module("torch_npu")
 
 
 def custom_namespace():
