@@ -131,7 +131,7 @@ def _graph_step(model, eng, rec: OpRecorder, syncs: SyncCounter) -> dict:
     runner = DecodeRunner(model, eng.cache, eng.limits.max_model_len, eng.limits.batch_size, detect("cpu"),
                           ExecConfig(exe_mode="npugraph_ex"))
     B = runner.buckets[-1]
-    inputs = runner._inputs([], B)
+    inputs = runner._inputs([], B, runner.contexts[-1])
     rec.reset()
     syncs.reset()
     rec.active = True

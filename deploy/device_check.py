@@ -46,7 +46,7 @@ def run_mode(model, plat, mode: str, batch: int, prompts, steps: int):
         cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=mode.endswith("+streams"))
         eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch, plat, cfg)
         if mode == "static":
-            eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
+            eng.runner.use_eager()
         t = time.perf_counter()
         eng.runner.warmup()
         warm = time.perf_counter() - t

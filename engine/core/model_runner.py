@@ -9,8 +9,12 @@ prefill always runs eager through ``Transformer.forward_batch``:
     ge_graph      Ascend: torchair's GE backend; CUDA / CPU: as npugraph_ex
 
 The graph-mode step is ``StaticDecoder`` (fixed shapes, no host syncs), padded to the smallest
-bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only) that holds the rows, and
-warmed up (captured / compiled) for every bucket at start so no request pays for a compile.
+batch bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only) that holds the rows
+and run with the entry tables of the smallest context bucket (256, 512, ... up to max_model_len)
+that holds the longest row, so a step costs O(its longest context), not O(max_model_len). Every
+(batch, context) pair is warmed up (captured / compiled) at start so no request pays for a
+compile; on CPU, where graph mode is the test vehicle and each compile takes tens of seconds, the
+smallest context bucket is warmed up and the others compile on first use.
 """
 from __future__ import annotations
 
@@ -58,13 +62,21 @@ class ExecConfig:
         return self.exe_mode in GRAPH_MODES
 
 
-def buckets(max_batch: int) -> list[int]:
-    """Batch-size buckets: powers of two below ``max_batch``, then ``max_batch``."""
-    out, b = [], 1
+def buckets(max_batch: int, smallest: int = 1) -> list[int]:
+    """Buckets: powers of two from ``smallest`` below ``max_batch``, then ``max_batch``."""
+    out, b = [], smallest
     while b < max_batch:
         out.append(b)
         b *= 2
     return out + [max_batch]
+
+
+SMALLEST_CONTEXT = 256
+
+
+def context_buckets(max_model_len: int) -> list[int]:
+    """Context-length buckets (tokens): 256, 512, ... below ``max_model_len``, then it."""
+    return buckets(max_model_len, SMALLEST_CONTEXT)
 
 
 class DecodeRunner:
@@ -84,8 +96,10 @@ class DecodeRunner:
         self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core)
         # CPU replays nothing: one bucket (the batch size) is one compile instead of log2(batch) ones
         self.buckets = [max_batch] if platform.kind == "cpu" else buckets(max_batch)
+        self.contexts = context_buckets(max_model_len)
         self.device = model.embed.weight.device
-        self._fns: dict[int, object] = {}
+        self._fns: dict[tuple[int, int], object] = {}
+        self._eager = False
         self._compiled = None
         self._pool = None                      # CUDA graphs of every bucket share one memory pool
         self.warmup_s = 0.0
@@ -94,18 +108,28 @@ class DecodeRunner:
 
     # ---- build ------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile / capture every bucket now (padding rows only: no request state is touched)."""
+        """Compile / capture every (batch, context) bucket now (on CPU the smallest context only;
+        padding rows only: no request state is touched)."""
         t = time.perf_counter()
+        contexts = self.contexts[:1] if self.platform.kind == "cpu" else list(reversed(self.contexts))
         for B in reversed(self.buckets):       # largest first: smaller graphs reuse its memory pool
-            self._fn(B)(*self._inputs([], B))
+            for C in contexts:
+                self._fn(B, C)(*self._inputs([], B, C))
         self.platform.synchronize()
         self.warmup_s = time.perf_counter() - t
-        log.info("decode graphs ready: %s, buckets %s, %.1f s", self.backend, self.buckets, self.warmup_s)
+        log.info("decode graphs ready: %s, batch buckets %s, context buckets %s, %.1f s", self.backend,
+                 self.buckets, self.contexts, self.warmup_s)
 
-    def _fn(self, B: int):
-        fn = self._fns.get(B)
+    def use_eager(self) -> None:
+        """Run the static step uncompiled: graph mode's math without its compile time (tests)."""
+        self._eager = True
+
+    def _fn(self, B: int, C: int):
+        if self._eager:
+            return self.static
+        fn = self._fns.get((B, C))
         if fn is None:
-            fn = self._fns[B] = self._capture(B) if self.platform.kind == "cuda" else self._compile()
+            fn = self._fns[(B, C)] = self._capture(B, C) if self.platform.kind == "cuda" else self._compile()
         return fn
 
     def _compile(self):
@@ -114,7 +138,7 @@ class DecodeRunner:
             kind, cfg = self.platform.kind, self.cfg
             # one specialisation per bucket: keep dynamo from falling back to eager past its limit
             dyn = torch._dynamo.config
-            dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(self.buckets))
+            dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(self.buckets) * len(self.contexts))
             if kind == "cpu":
                 self._compiled = torch.compile(self.static.__call__, fullgraph=True, dynamic=False)
             elif cfg.exe_mode == "npugraph_ex":
@@ -123,10 +147,11 @@ class DecodeRunner:
                 self._compiled = _ge_graph(self.static.__call__, cfg)
         return self._compiled
 
-    def _capture(self, B: int):
-        """A CUDA graph of the step for bucket B, replayed over static input buffers."""
+    def _capture(self, B: int, C: int):
+        """A CUDA graph of the step for batch bucket B and context bucket C, replayed over static
+        input buffers."""
         p = self.platform
-        bufs = [t.to(self.device) for t in self._inputs([], B)]
+        bufs = [t.to(self.device) for t in self._inputs([], B, C)]
         s = p.new_stream()
         with p.side_stream(s):                 # warm-up launches outside the capture (cuBLAS handles)
             for _ in range(2):
@@ -146,15 +171,16 @@ class DecodeRunner:
         return replay
 
     # ---- run --------------------------------------------------------------------------------
-    def _inputs(self, rows: list[tuple[int, int, int, dict]], B: int) -> list[torch.Tensor]:
-        """(token, position, state slot, block tables) per row -> the step's padded inputs."""
+    def _inputs(self, rows: list[tuple[int, int, int, dict]], B: int, C: int) -> list[torch.Tensor]:
+        """(token, position, state slot, block tables) per row -> the step's padded inputs, the
+        entry tables of context bucket C."""
         n, c = len(rows), self.cache
         tokens = torch.zeros(B, dtype=torch.long)
         positions = torch.zeros(B, dtype=torch.long)
         slots = torch.full((B,), c.pad_slot, dtype=torch.long)
         for i, (tok, pos, slot, _) in enumerate(rows):
             tokens[i], positions[i], slots[i] = tok, pos, slot
-        t = self.static.tables([r[3] for r in rows], B)
+        t = self.static.tables([r[3] for r in rows], B, C)
         out = [tokens, positions, slots, t["win"], t["c4"], t["c128"]]
         assert n <= B
         return [x.to(self.device, non_blocking=True) for x in out]
@@ -166,13 +192,20 @@ class DecodeRunner:
                 return B
         raise ValueError(f"decode runner: {n} rows exceed the largest bucket {self.buckets[-1]}")
 
+    def context_bucket(self, n: int) -> int:
+        """The smallest context bucket holding ``n`` tokens. Raises ValueError past max_model_len."""
+        for C in self.contexts:
+            if C >= n:
+                return C
+        raise ValueError(f"decode runner: {n} tokens exceed max_model_len {self.contexts[-1]}")
+
     def run(self, rows: list[tuple[int, int, int, dict]]) -> torch.Tensor:
         """rows: (token id, position, state slot, {pool: block ids}) -> hidden ``[len(rows), H]``.
 
         Each row's state must already hold room for its position (the scheduler allocates first).
         """
-        B = self.bucket(len(rows))
-        return self._fn(B)(*self._inputs(rows, B))[: len(rows)]
+        B, C = self.bucket(len(rows)), self.context_bucket(max(r[1] for r in rows) + 1)
+        return self._fn(B, C)(*self._inputs(rows, B, C))[: len(rows)]
 
 
 def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor,

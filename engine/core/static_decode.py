@@ -6,7 +6,8 @@ on the bucket size B and the pool geometry, and every index (ring slot, entry sl
 computed on the device from positions and block tables, so the step can be captured as a CUDA
 graph, compiled by torch.compile / npugraph_ex and replayed. Data-dependent branches are masks: a
 compressor window that does not close this step writes its pooled entry to the pool's trash row;
-attention and the indexer see every entry the tables can hold, masked to the causal ones.
+attention and the indexer see every entry the tables can hold, masked to the causal ones. The
+tables are as wide as the step's context bucket (``DecodeRunner``), so that is O(context).
 
 Padding rows of a bucket use ``cache.pad_slot`` / ``cache.pad_win_blocks`` at position 0, so
 they write only scratch state. Letters: B rows, h heads, d head dim, W window, N entries, k top-k.
@@ -114,14 +115,21 @@ class StaticDecoder:
             self.platform.join(self.side, *made_on_side)
 
     # ---- inputs ----------------------------------------------------------------------------
-    def tables(self, block_lists: list[dict[str, list[int]]], B: int) -> dict[str, torch.Tensor]:
+    def tables(self, block_lists: list[dict[str, list[int]]], B: int, context: int | None = None
+               ) -> dict[str, torch.Tensor]:
         """Block tables ``[B, width]`` int64 per pool from each row's block lists (host side);
-        rows past ``len(block_lists)`` are padding (scratch ring, block 0 elsewhere, masked)."""
+        rows past ``len(block_lists)`` are padding (scratch ring, block 0 elsewhere, masked).
+        ``context``: the context bucket (every row's position < context; None: max_model_len):
+        the entry tables hold the blocks of ``context`` tokens, so the step's attention and
+        indexer cost O(context), not O(max_model_len)."""
+        g = self.cache.geometry
+        widths = self.widths if context is None else {
+            "win": self.widths["win"], "c4": g.blocks_needed("c4", context), "c128": g.blocks_needed("c128", context)}
         out = {}
-        for pool, w in self.widths.items():
+        for pool, w in widths.items():
             t = torch.zeros(B, max(w, 1), dtype=torch.long)
             for i, tables in enumerate(block_lists):
-                blocks = tables.get(pool, [])
+                blocks = tables.get(pool, [])[:max(w, 1)]
                 t[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
             if pool == "win":
                 t[len(block_lists):, :w] = torch.tensor(self.cache.pad_win_blocks, dtype=torch.long)
@@ -186,7 +194,7 @@ class StaticDecoder:
         scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill((wpos < 0)[:, None], float("-inf"))]
         ck = None
         if att.ratio == HCA_RATIO:                                               # dense causal entries
-            N = self.widths["c128"] * bs
+            N = tables["c128"].shape[1] * bs                                   # the context bucket's entries
             ck = c.cmp_kv[i].read(slot_mapping(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))).float()
             seen = torch.arange(N, device=x.device)[None] < ((positions + 1) // HCA_RATIO)[:, None]
             scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
@@ -206,9 +214,10 @@ class StaticDecoder:
         return att.wo_b(o.flatten(1))
 
     def _indexer_topk(self, i: int, att: Attention, iq, iw, positions, table):
-        """Lightning-indexer top-k (§3.5) over every entry the table can hold, masked to the causal ones."""
+        """Lightning-indexer top-k (§3.5) over every entry the table can hold (the context bucket's),
+        masked to the causal ones."""
         c, bs, idx = self.cache, self.bs, att.indexer
-        N = self.widths["c4"] * bs
+        N = table.shape[1] * bs
         keys = c.idx_kv[i].read(slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))).float()
         q = quant_query(c.idx_codec, iq).float()
         s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", q, keys), iw, idx.head_dim ** -0.5)

@@ -120,7 +120,7 @@ def test_captured_decode_step_reads_the_same_cache(model, name):
     ref = _engine(model, cache).generate(prompts, GREEDY)
     eng = _engine(model, cache)
     eng.runner = DecodeRunner(model, eng.cache, 1024, 4, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-    eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}      # the captured math, run eagerly
+    eng.runner.use_eager()                                                     # the captured math, run eagerly
     got = eng.generate(prompts, GREEDY)
     assert [o.output_ids for o in got] == [o.output_ids for o in ref]
     assert eng.num_free_blocks() == eng.num_total_blocks()

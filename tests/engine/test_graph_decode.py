@@ -14,7 +14,7 @@ from engine.platform import soc_platform
 from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.run_config import RunConfig
-from engine.core.model_runner import DecodeRunner, ExecConfig, buckets
+from engine.core.model_runner import DecodeRunner, ExecConfig, buckets, context_buckets
 from engine.core.sampling_params import SamplingParams
 
 MAX_LEN = 1024
@@ -39,7 +39,7 @@ def _engine(model, batch_size=4, runner_cfg: ExecConfig | None = None, **kw):
 
 def _uncompiled(eng: LLMEngine) -> LLMEngine:
     """The runner's static step run eagerly (the math of graph mode without the compile time)."""
-    eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
+    eng.runner.use_eager()
     return eng
 
 
@@ -84,7 +84,6 @@ def test_static_step_matches_eager_with_padding(model, eager_out):
     prompts, params, ref = eager_out
     eng = _uncompiled(_engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex")))
     eng.runner.buckets = buckets(4)
-    eng.runner._fns = {B: eng.runner.static for B in eng.runner.buckets}
     worst = _assert_same(ref, eng.generate(prompts, params))
     print(f"static vs eager: max |logprob diff| {worst:.2e}")
     assert eng.num_free_blocks() == eng.num_total_blocks()
@@ -99,12 +98,16 @@ def test_static_step_multi_streams_and_limit_core_are_noops_on_cpu(model, eager_
 
 
 def test_torch_compile_on_cpu_matches_eager(model, eager_out):
-    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up before serving."""
+    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up before serving.
+    The two shortest requests stay inside the smallest context bucket (one compile on a 2-core
+    machine; crossing buckets is the uncompiled tests' job, the compile of another shape dynamo's)."""
     prompts, params, ref = eager_out
     eng = _engine(model, batch_size=2, runner_cfg=ExecConfig(exe_mode="npugraph_ex"))
     eng.runner.warmup()
     assert eng.runner.buckets == [2] and eng.runner.warmup_s > 0
-    worst = _assert_same(ref, eng.generate(prompts, params))
+    assert max(len(p) for p in prompts[:2]) + params[0].max_new_tokens <= eng.runner.contexts[0]
+    worst = _assert_same(ref[:2], eng.generate(prompts[:2], params[:2]))
+    assert list(eng.runner._fns) == [(2, eng.runner.contexts[0])]
     print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.warmup_s:.0f} s")
     assert eng.num_free_blocks() == eng.num_total_blocks()
 
@@ -121,6 +124,24 @@ def test_moe_chunk_max_len_changes_nothing(model, chunk):
     finally:
         model.configure(None)
     assert torch.equal(ref, got)
+
+
+def test_context_buckets_size_the_entry_tables(model):
+    """The step's tables hold the blocks of its context bucket: 256, 512, 1024 tokens here (c4
+    entries = tokens / 4 in blocks of 16; c128 entries = tokens / 128), so a short request costs
+    O(its context), not O(max_model_len)."""
+    assert context_buckets(1024) == [256, 512, 1024] and context_buckets(300) == [256, 300]
+    assert context_buckets(100) == [100]
+    eng = _engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex"))
+    r = eng.runner
+    assert r.contexts == [256, 512, 1024]
+    assert [r.context_bucket(n) for n in (1, 256, 257, 1024)] == [256, 256, 512, 1024]
+    with pytest.raises(ValueError, match="exceed max_model_len 1024"):
+        r.context_bucket(1025)
+    for C, c4, c128 in ((256, 4, 1), (512, 8, 1), (1024, 16, 1)):
+        t = r.static.tables([], 2, C)
+        assert t["c4"].shape == (2, c4) and t["c128"].shape == (2, c128) and t["win"].shape[1] == r.static.widths["win"]
+    assert r.static.tables([], 2)["c4"].shape == (2, 16)            # no bucket: max_model_len
 
 
 def test_buckets_and_bucket_choice(model):
@@ -215,5 +236,5 @@ def test_static_step_traces_in_one_graph_with_the_ascend_op_table(tiny_ckpt):
     runner = DecodeRunner(m, eng.cache, 512, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
     torch._dynamo.reset()
     traced = torch.compile(runner.static.__call__, backend="eager", fullgraph=True)
-    out = traced(*runner._inputs([], 2))
+    out = traced(*runner._inputs([], 2, runner.contexts[0]))
     assert out.shape == (2, m.args.hidden_size) and torch.isfinite(out).all()
