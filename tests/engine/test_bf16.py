@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_bf16_greedy_agrees_with_fp32_on_300_decode_steps(tiny_ckpt, preset):
+def test_bf16_greedy_agrees_with_fp32_on_150_decode_steps(tiny_ckpt, preset):
     ckpt = tiny_ckpt(preset, 1)
     f32 = load_model(ckpt, torch.float32, progress=False)
     b16 = load_model(ckpt, torch.bfloat16, progress=False)
@@ -17,12 +17,12 @@ def test_bf16_greedy_agrees_with_fp32_on_300_decode_steps(tiny_ckpt, preset):
     nxt = f32.logits(f32(prompt, sf)[-1:]).argmax(-1)
     b16(prompt, sb)
     agree, rel = 0, []
-    for _ in range(300):                       # teacher-forced on the fp32 greedy sequence
+    for _ in range(150):                       # teacher-forced on the fp32 greedy sequence; crosses 256
         lf, lb = f32.logits(f32(nxt, sf)), b16.logits(b16(nxt, sb))
         agree += int(lf.argmax(-1) == lb.argmax(-1))
         rel.append(((lf - lb).norm() / lf.norm()).item())
         nxt = lf.argmax(-1)
     assert lb.dtype == torch.float32
-    assert agree >= 0.95 * 300, f"bf16 greedy agreement {agree}/300"
+    assert agree >= 0.95 * 150, f"bf16 greedy agreement {agree}/150"
     # typical error is bf16 rounding (~0.5%); single steps spike where a router / indexer pick flips
     assert sum(rel) / len(rel) < 0.02, f"bf16 mean relative logit error {sum(rel) / len(rel):.3f}"

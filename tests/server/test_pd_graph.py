@@ -39,5 +39,7 @@ def test_graph_decode_worker_streams_the_eager_tokens(cluster, reference):
     health = httpx.get(cluster.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
     assert health["exe_mode"] == "npugraph_ex" and health["graph"]["backend"] == "torch.compile (inductor)"
     assert health["graph"]["buckets"] == [2] and health["graph"]["warmup_s"] > 0
-    assert_completions_match(cluster, reference, [(100, 0.0, 0), (129, 0.8, 7), (300, 0.0, 0), (61, 1.0, 11)], 12)
+    # prompts + 12 tokens inside the smallest context bucket (256): the one shape warmed up; on
+    # CPU a longer request would pay a compile on first use
+    assert_completions_match(cluster, reference, [(100, 0.0, 0), (129, 0.8, 7), (230, 0.0, 0), (61, 1.0, 11)], 12)
     wait_idle(cluster, ["prefill0", "decode0"])
