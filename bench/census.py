@@ -45,8 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", required=True, help="run config YAML (dtype, cache dtypes, kernel_config)")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint directory")
-    src.add_argument("--preset", default="flash-real-width", help="dsv4-make-tiny preset written to a temp dir")
-    ap.add_argument("--platform", choices=PLATFORMS, default="npu-stub")
+    src.add_argument("--preset", default="flash-real-width",
+                     help="dsv4-make-tiny preset written to a temp dir (default flash-real-width: 2.9 GB)")
+    ap.add_argument("--platform", choices=PLATFORMS, default="npu-stub",
+                    help="npu-stub: the Ascend wrappers over bench.npu_stub; cpu: the reference ops (default npu-stub)")
     ap.add_argument("--batch", type=int, default=4, help="decode rows per step")
     ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=2, help="decode steps counted")
@@ -60,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _engine(model, cfg, batch: int, context: int, steps: int):
-    """An ``LLMEngine`` sized for ``batch`` requests of ``context + steps + 1`` tokens."""
+    """An ``LLMEngine`` sized for ``batch`` requests of ``context + steps + batch + 4`` tokens
+    (``census`` gives each ``steps + batch + 2`` new tokens at most)."""
     from engine.core.llm_engine import LLMEngine
 
     s, max_len = cfg.scheduler_config, context + steps + batch + 4
@@ -161,7 +164,9 @@ def table(fig: dict) -> str:
     """The figures as a fixed-width text table."""
     lines = [f"op census: platform {fig['platform']}, dtype {fig['dtype']}, batch {fig['batch']}, context "
              f"{fig['context']}, {fig['preset_layers']} layers; calls per decode step"]
-    for title, f in (("eager step", fig), ("graph step (StaticDecoder)", fig.get("graph_step"))):
+    for title, f in (("eager step (scheduler, model, LM head, sampling)", fig),
+                     ("graph step (StaticDecoder: the model only; multi-streams and core limits are no-ops on "
+                      "the CPU platform, so not traced)", fig.get("graph_step"))):
         if f is None:
             continue
         lines += ["", f"{title}:", f"{'op':<20}{'kernel':>8}{'reference':>11}{'fallback':>10}  fallback reasons"]
@@ -180,6 +185,7 @@ def table(fig: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    from engine.checkpoint.shards import CheckpointError
     from engine.config import ConfigError
     from engine.run_config import RunConfig
 
@@ -205,7 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         elif not ckpt.is_dir():
             print(f"dsv4-bench census: error: --ckpt {a.ckpt!r} is not a checkpoint directory", file=sys.stderr)
             return 2
-        fig = census(cfg, Path(ckpt), a.platform, a.batch, a.context, a.steps, a.graph)
+        elif cfg.model_config.quant_type is not None:
+            print(f"dsv4-bench census: note: --ckpt is counted as given; the config serves "
+                  f"quant_type {cfg.model_config.quant_type} (--preset converts to it)", file=sys.stderr)
+        try:
+            fig = census(cfg, Path(ckpt), a.platform, a.batch, a.context, a.steps, a.graph)
+        except CheckpointError as e:
+            print(f"dsv4-bench census: error: --ckpt {a.ckpt!r}: {e}", file=sys.stderr)
+            return 2
     print(json.dumps(fig, indent=1) if a.json else table(fig))
     return 0
 

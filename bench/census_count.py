@@ -14,8 +14,11 @@ model would have had uncounted and every path decision in the model is the same.
 ``SyncCounter`` is a ``TorchFunctionMode`` that counts, per kind and per call site (the first
 frame in this repository outside the torch library), every call that makes a device wait for
 the host to read a result: ``item`` / ``tolist`` / ``bool`` / ``int`` / ``float`` / ``index`` of a
-tensor, ``cpu`` / ``numpy``, and ops whose output shape depends on the data (``nonzero``,
-``unique``, ``masked_select``, indexing with a boolean tensor). On a CPU those calls cost nothing,
+tensor, ``cpu`` / ``numpy`` / ``to("cpu")``, and ops whose output shape depends on the data
+(``nonzero``, one-argument ``where``, ``unique``, ``masked_select``, ``bincount``,
+``repeat_interleave`` with tensor repeats, indexing with a boolean tensor). On a CPU every
+tensor is on the host, so a read of a tensor the step already copied to the host (the
+sampler's ``int`` of each row after its ``.cpu()`` of the logits) counts too. On a CPU those calls cost nothing,
 but on an NPU / GPU each one stalls the stream and cannot be captured in a graph. Calls made
 inside the contract stub's kernels (``bench/npu_stub*``) are not counted: on an NPU those kernels
 run on the device.
@@ -34,18 +37,36 @@ from torch.overrides import TorchFunctionMode
 from engine.ops import OP_NAMES, REFERENCE, Ops
 
 ROOT = Path(__file__).resolve().parents[1]
-_SKIP = (str(Path(__file__).resolve()), str(Path(torch.__file__).resolve().parent))
+_SKIP = (str(Path(__file__).resolve()), str(Path(torch.__file__).resolve().parent), str(ROOT / ".venv"))
 
 T = torch.Tensor
 # function -> sync kind
 SYNC_KINDS = {
     T.item: "item", T.tolist: "tolist", T.__bool__: "bool", T.__int__: "int", T.__float__: "float",
     T.__index__: "index", T.cpu: "cpu", T.numpy: "numpy",
-    T.nonzero: "nonzero", torch.nonzero: "nonzero", torch.argwhere: "nonzero", T.unique: "unique",
-    torch.unique: "unique", torch.unique_consecutive: "unique", T.masked_select: "masked_select",
-    torch.masked_select: "masked_select",
+    T.nonzero: "nonzero", torch.nonzero: "nonzero", torch.argwhere: "nonzero", T.argwhere: "nonzero",
+    T.unique: "unique", torch.unique: "unique", torch.unique_consecutive: "unique", T.unique_consecutive: "unique",
+    T.masked_select: "masked_select", torch.masked_select: "masked_select", torch.bincount: "bincount",
+    T.bincount: "bincount",
 }
 _INDEXING = (T.__getitem__, T.__setitem__)
+
+
+def _data_dependent(func, args, kwargs) -> str | None:
+    """The kind of a call whose output size (or place) depends on the data in only some forms:
+    ``repeat_interleave`` with tensor repeats, one-argument ``where``, ``to`` the host, and
+    indexing with a boolean tensor."""
+    if func in _INDEXING and _bool_index(args):
+        return "bool-mask index"
+    if func in (torch.repeat_interleave, T.repeat_interleave):
+        reps = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return "repeat_interleave" if isinstance(reps, torch.Tensor) and reps.numel() > 1 else None
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "nonzero"
+    if func is T.to:
+        dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        return "cpu" if dev is not None and torch.device(dev).type == "cpu" else None
+    return None
 
 
 def _bool_index(args) -> bool:
@@ -79,9 +100,7 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.enabled:
-            kind = SYNC_KINDS.get(func)
-            if kind is None and func in _INDEXING and _bool_index(args):
-                kind = "bool-mask index"
+            kind = SYNC_KINDS.get(func) or _data_dependent(func, args, kwargs or {})
             site = call_site() if kind is not None else None
             if kind is not None and not site.startswith("bench/npu_stub"):
                 self.kinds[kind] += 1

@@ -156,6 +156,8 @@ def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.T
                               [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype)
                 topk = ops.decode_indexer_topk(iq, iw, s0.idx_kv.pool, dec.tables.get("c4"), bs, dec.positions,
                                                dec.pos, CSA_RATIO, idx.topk, idx.head_dim ** -0.5)
+        if table is None:               # no row holds an entry block yet: nothing to attend but the window
+            cmp = topk = None
         return ops.decode_sparse_attn(q, dec.positions, dec.pos, s0.win_pool, dec.tables["win"],
                                       dec.cache.geometry.ring_len, att.window, cmp, table, att.ratio, topk,
                                       att.attn_sink, att.head_dim ** -0.5, bs)

@@ -112,7 +112,7 @@ class DecodeRunner:
         padding rows only: no request state is touched)."""
         t = time.perf_counter()
         contexts = self.contexts[:1] if self.platform.kind == "cpu" else list(reversed(self.contexts))
-        for B in reversed(self.buckets):       # largest first: smaller graphs reuse its memory pool
+        for B in reversed(self.buckets):       # largest batch and context first: the graphs share one memory pool
             for C in contexts:
                 self._fn(B, C)(*self._inputs([], B, C))
         self.platform.synchronize()

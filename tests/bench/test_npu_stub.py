@@ -46,11 +46,12 @@ EXPECTED = {
     "decode_sparse_attn": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_hca": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_window": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_sparse_attn_no_entry_yet": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                             "torch_npu.npu_dynamic_quant"],
 }
 PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window", "decode_sparse_attn", "decode_sparse_attn_hca",
-               "decode_sparse_attn_window"}                           # zeros: shape / dtype only
+               "decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet"}                           # zeros: shape / dtype only
 DECODE_POS = [600, 601, 130]          # three decode rows (B = 3), blocks of 16, a ring of 256 slots
 
 
@@ -145,6 +146,11 @@ def _decode_cases(rnd, pool) -> dict[str, tuple[str, tuple]]:
                                                           torch.arange(B).view(B, 1), 128, None, sinks, 0.04, bs)),
         "decode_sparse_attn_window": ("decode_sparse_attn", (q, pos, DECODE_POS, win, win_table, ring, 128, None, None,
                                                              1, None, sinks, 0.04, bs)),
+        # an HCA layer before any row closed a window: no row holds an entry block, so no table
+        # (DecodeRows leaves it out); the call is window-only
+        "decode_sparse_attn_no_entry_yet": ("decode_sparse_attn", (q[:2], torch.tensor([5, 40]), [5, 40], win,
+                                                                   win_table[:2], ring, 128, hca, None, 128, None,
+                                                                   sinks, 0.04, bs)),
         # weights exact in fp16, scale 1: the kernel's fp16 weights score as the reference does
         "decode_indexer_topk": ("decode_indexer_topk", (rnd(B, 64, 128),
                                                         torch.randint(-8, 9, (B, 64), generator=g) / 64, keys,
@@ -238,7 +244,8 @@ def test_decode_rows_are_one_kernel_call_of_b_sequences(report):
         assert a["ori_block_table"] == [B, -(-S2 // 16)]               # O(context) logical blocks per row
     csa = report["cases"]["decode_sparse_attn"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
     assert csa["cmp_sparse_indices"] == [B, 1, 512] and csa["cmp_block_table"] == [B, 10]
-    assert "cmp_kv" not in report["cases"]["decode_sparse_attn_window"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    for name in ("decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet"):
+        assert "cmp_kv" not in report["cases"][name]["shapes"]["custom.npu_sparse_attn_sharedkv"]
     li = report["cases"]["decode_indexer_topk"]["shapes"]["custom.npu_quant_lightning_indexer"]
     assert li["query"] == [B, 64, 128] and li["block_table"] == [B, 3] and li["actual_seq_lengths_key"] == [B]
 

@@ -60,6 +60,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
     whole blocks.
     """
     B, h, d = q.shape
+    if cmp is not None and cmp_table is None:       # no row holds an entry block: window only
+        cmp = topk_idx = None
     pools = [win] + ([cmp] if cmp is not None else [])
     why = first_reason(dtype_why("q", q, HALF), device_why(q), None if B > 0 else "no rows",
                        None if (h, d) == (_SAS_HEADS, _SAS_DIM) else f"heads x dim {h} x {d}, kernel takes 64 x 512",
@@ -110,7 +112,8 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_tabl
     ``torch.ops.custom.npu_quant_lightning_indexer`` (tiled by ``npu_quant_lightning_indexer_metadata``), B sequences of one query
     each over the stored int8 keys (PA_BSND, read in place) with each row's block table.
 
-    Output ``[B, 1, topk]`` int32, sorted ascending with -1 last, as the reference returns.
+    The kernel's ``[B, 1, topk]`` int32 comes back as the reference returns it: ``[B, topk]``
+    int64, ascending, -1 last.
 
     Falls back to the reference for: keys not int8 (``cache_indexer_topk``'s reasons), q not
     bfloat16 / float16, not on an NPU, no rows, no row with a closed window, h x dI != 64 x 128,

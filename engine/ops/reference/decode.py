@@ -89,7 +89,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
     Args:
         q: ``[B, h, d]`` (roped); positions ``[B]`` int64 and ``pos`` the same on the host;
         win: the window pool; win_table: ``[B, ring_len / bs]`` int64 ring blocks per row;
-        cmp: the entry pool or None (window-only layers; then cmp_table / topk_idx are None);
+        cmp: the entry pool or None (window-only layers, or no row holds an entry yet; then
+            cmp_table / topk_idx are None);
         cmp_table: ``[B, n_blocks]`` int64; topk_idx: ``[B, k]`` int64 row-local entry ids
         (-1 = none) on CSA layers, None on HCA; sinks ``[h]`` fp32; block_size: slots per block.
     Returns:
