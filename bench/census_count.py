@@ -54,8 +54,8 @@ _INDEXING = (T.__getitem__, T.__setitem__)
 
 def _data_dependent(func, args, kwargs) -> str | None:
     """The kind of a call whose output size (or place) depends on the data in only some forms:
-    ``repeat_interleave`` with tensor repeats, one-argument ``where``, ``to`` the host, and
-    indexing with a boolean tensor."""
+    ``repeat_interleave`` with tensor repeats, one-argument ``where``, ``to`` the host from a
+    device, and indexing with a boolean tensor."""
     if func in _INDEXING and _bool_index(args):
         return "bool-mask index"
     if func in (torch.repeat_interleave, T.repeat_interleave):
@@ -63,7 +63,7 @@ def _data_dependent(func, args, kwargs) -> str | None:
         return "repeat_interleave" if isinstance(reps, torch.Tensor) and reps.numel() > 1 else None
     if func is torch.where and len(args) + len(kwargs) == 1:
         return "nonzero"
-    if func is T.to:
+    if func is T.to and args[0].device.type != "cpu":              # device -> host only
         dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
         return "cpu" if dev is not None and torch.device(dev).type == "cpu" else None
     return None
