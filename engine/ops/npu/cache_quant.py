@@ -99,6 +99,30 @@ def cache_write(rows, idx: torch.Tensor, x: torch.Tensor) -> None:
     return None
 
 
+def lightning_indexer_why(q: torch.Tensor, keys, topk: int, ratio: int, block_size: int, empty: str) -> str | None:
+    """The first reason ``npu_quant_lightning_indexer`` cannot take these inputs (None if it can):
+    int8 keys only, q bfloat16 / float16 on an NPU, at least one query row (``empty`` names the
+    case otherwise), 64 x 128 heads, top-k 1..2048, a power-of-two ratio up to 128, blocks of a
+    multiple of 16 up to 1024."""
+    n, h, dI = q.shape
+    c = keys.codec
+    return first_reason(None if c.indexer and c.kind == "int8" else f"indexer {c.kind} keys: only int8 keys are documented",
+                        dtype_why("q", q, HALF), device_why(q), None if n > 0 else empty,
+                        None if (h, dI) == (LI_HEADS, LI_DIM) else f"heads x dim {h} x {dI}, kernel takes 64 x 128",
+                        None if 1 <= topk <= LI_MAX_TOPK else f"topk {topk}, kernel takes 1..2048",
+                        None if ratio in LI_RATIOS else f"ratio {ratio}, kernel takes 1..128 (powers of two)",
+                        None if block_size % 16 == 0 and 0 < block_size <= 1024 else f"block size {block_size}")
+
+
+def ascending_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The kernel's int32 picks ``[n, k]`` (-1 = none, in score order) as the reference returns
+    them: int64, ascending, -1 last."""
+    big = torch.iinfo(torch.long).max
+    ids = ids.long()
+    ids = torch.where(ids < 0, big, ids).sort(dim=-1).values
+    return torch.where(ids == big, -1, ids)
+
+
 def cache_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table: torch.Tensor,
                        block_size: int, positions: torch.Tensor, ratio: int, topk: int, scale: float) -> torch.Tensor:
     """Lightning-indexer top-k over the stored int8 keys via ``torch.ops.custom.npu_quant_lightning_indexer``,
@@ -135,14 +159,7 @@ def cache_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table
     bs not a multiple of 16 up to 1024, positions not consecutive.
     """
     T, h, dI = q.shape
-    c = keys.codec
-    why = first_reason(None if c.indexer and c.kind == "int8"
-                       else f"indexer {c.kind} keys: only int8 keys are documented",
-                       dtype_why("q", q, HALF), device_why(q), None if T > 0 else "no queries",
-                       None if (h, dI) == (LI_HEADS, LI_DIM) else f"heads x dim {h} x {dI}, kernel takes 64 x 128",
-                       None if 1 <= topk <= LI_MAX_TOPK else f"topk {topk}, kernel takes 1..2048",
-                       None if ratio in LI_RATIOS else f"ratio {ratio}, kernel takes 1..128 (powers of two)",
-                       None if block_size % 16 == 0 and 0 < block_size <= 1024 else f"block size {block_size}")
+    why = lightning_indexer_why(q, keys, topk, ratio, block_size, "no queries")
     if not why:
         p0, p1 = int(positions[0]), int(positions[-1])
         why = first_reason(None if p1 - p0 == T - 1 else "positions not consecutive",
@@ -167,7 +184,4 @@ def cache_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table
         qq, k, (weights.float() * scale).to(torch.float16).contiguous(), qs.to(torch.float16).contiguous(), ks, 0, 0,
         actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k,
         block_table=block_table.to(i32).reshape(1, -1).contiguous(), metadata=meta, return_value=False, **modes)[0]
-    ids = out.reshape(T, topk).long()
-    big = torch.iinfo(torch.long).max
-    ids = torch.where(ids < 0, big, ids).sort(dim=-1).values
-    return torch.where(ids == big, -1, ids)
+    return ascending_ids(out.reshape(T, topk))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.npu.cache_quant import LI_DIM, LI_HEADS, LI_MAX_TOPK, LI_RATIOS
+from engine.ops.npu.cache_quant import ascending_ids, lightning_indexer_why
 from engine.ops.npu.runtime import (HALF, custom_namespace, device_why, dtype_why, fallback, first_reason,
                                     torch_npu_module)
 
@@ -120,13 +120,7 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_tabl
     topk outside 1..2048, a ratio not a power of two up to 128, a block size outside 16..1024.
     """
     B, h, dI = q.shape
-    c = keys.codec
-    why = first_reason(None if c.indexer and c.kind == "int8" else f"indexer {c.kind} keys: only int8 keys are documented",
-                       dtype_why("q", q, HALF), device_why(q), None if B > 0 else "no rows",
-                       None if (h, dI) == (LI_HEADS, LI_DIM) else f"heads x dim {h} x {dI}, kernel takes 64 x 128",
-                       None if 1 <= topk <= LI_MAX_TOPK else f"topk {topk}, kernel takes 1..2048",
-                       None if ratio in LI_RATIOS else f"ratio {ratio}, kernel takes 1..128 (powers of two)",
-                       _block_why(block_size),
+    why = first_reason(lightning_indexer_why(q, keys, topk, ratio, block_size, "no rows"),
                        None if B and (max(pos) + 1) // ratio > 0 else "no closed window")
     if why:
         return fallback("decode_indexer_topk", why, q, weights, keys, block_table, block_size, positions, pos,
@@ -147,7 +141,4 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_tabl
         qq, k, (weights.float() * scale).to(torch.float16).contiguous(), qs.to(torch.float16).contiguous(), ks, 0, 0,
         actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k, block_table=_table(block_table, nb),
         metadata=meta, return_value=False, **modes)[0]
-    ids = out.reshape(B, topk).long()
-    big = torch.iinfo(torch.long).max
-    ids = torch.where(ids < 0, big, ids).sort(dim=-1).values
-    return torch.where(ids == big, -1, ids)
+    return ascending_ids(out.reshape(B, topk))
