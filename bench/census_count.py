@@ -17,8 +17,8 @@ the host to read a result: ``item`` / ``tolist`` / ``bool`` / ``int`` / ``float`
 tensor, ``cpu`` / ``numpy`` / ``to("cpu")``, and ops whose output shape depends on the data
 (``nonzero``, one-argument ``where``, ``unique``, ``masked_select``, ``bincount``,
 ``repeat_interleave`` with tensor repeats, indexing with a boolean tensor). On a CPU every
-tensor is on the host, so a read of a tensor the step already copied to the host (the
-sampler's ``int`` of each row after its ``.cpu()`` of the logits) counts too. On a CPU those calls cost nothing,
+tensor is on the host, so a read of a tensor the step already copied to the host counts too.
+On a CPU those calls cost nothing,
 but on an NPU / GPU each one stalls the stream and cannot be captured in a graph. Calls made
 inside the contract stub's kernels (``bench/npu_stub*``) are not counted: on an NPU those kernels
 run on the device.

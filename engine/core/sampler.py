@@ -1,87 +1,194 @@
 """The sampler (vLLM semantics; parameters in ``engine.core.sampling_params``).
 
 Penalties first (repetition over prompt + output, frequency / presence over the output), then
-temperature, top-k, top-p and min-p, then an exponential-race draw from a generator seeded by
-``(seed, position)``. Every step is row-wise, so a row's token does not depend on the batch.
+temperature, top-k, top-p and min-p, then an exponential-race draw. All rows are sampled together
+on the logits' device; the host gets back one small tensor per step (the ids, a finite flag per
+row and the logprobs asked for), never the ``[B, V]`` logits.
+
+Batch invariance: every decision uses only row-wise ops whose per-row results do not depend on the
+batch (softmax, log-softmax, cumsum, max, top-k, sort, argmax, searchsorted); no full-row float
+``sum`` feeds one (its split across threads changes with the number of rows). The draw is
+inverse-CDF sampling with one uniform per row taken from ``position_seed(seed, position)`` on the
+host: a pure function of the row, an input tensor to the step (so a captured step can take it),
+the same on every device up to the ulps of a device's cumsum.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+
 import torch
 
-from engine.core.sampling_params import Sampled, SampleRow, SamplingParams, position_seed
+from engine.core.sampling_params import Sampled, SampleRow, position_seed
+
+# token ids travel to the host in the fp32 result tensor: exact below 2^24 (DeepSeek-V4: 129,280)
+MAX_VOCAB = 1 << 24
+_U_BITS = 23
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def uniform(key: int) -> float:
+    """The draw's uniform in (0, 1) from a ``position_seed`` key: its top 23 bits, centred, so that
+    ``u * total`` stays below ``total`` in fp32 and the value itself is exact in fp32."""
+    return ((key >> (63 - _U_BITS)) + 0.5) / (1 << _U_BITS)
+
+
+@dataclass
+class SampleBatch:
+    """One step's per-row parameters: which rows do what (host lists and maxima: they shape the
+    step, reading them needs no sync) and the drawn rows' settings as device tensors ``[S]``."""
+
+    greedy: list[int]             # row indices
+    drawn: list[int]
+    penalised: list[int]
+    logprobs: bool                # some row asked for logprobs
+    top_n: int                    # the most top alternatives any row asked for
+    top_k_max: int                # the widest top-k of the drawn rows (0: none uses top-k)
+    top_p_any: bool
+    temperature: torch.Tensor     # fp32
+    top_k: torch.Tensor           # int64, 0 = off
+    top_p: torch.Tensor           # fp32
+    min_p: torch.Tensor           # fp32
+    u: torch.Tensor               # fp32 uniform(position_seed(seed, position))
+
+
+def sample_batch(rows: list[SampleRow], vocab: int, device: torch.device) -> SampleBatch:
+    """Host half: the rows' parameters as tensors on ``device`` (an unseeded row draws a seed
+    here: not reproducible, as in vLLM)."""
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+    penalised = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+                 or ((r.params.frequency_penalty or r.params.presence_penalty) and r.output_ids)]
+    ps = [rows[i].params for i in drawn]
+    keys = [position_seed(p.seed if p.seed is not None else random.getrandbits(63), rows[i].position)
+            for i, p in zip(drawn, ps)]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in ps]
+
+    def t(vals, dtype):
+        return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+
+    return SampleBatch(
+        greedy, drawn, penalised, any(r.params.logprobs is not None for r in rows),
+        max((r.params.logprobs or 0) for r in rows), max(top_k, default=0), any(p.top_p < 1.0 for p in ps),
+        t([p.temperature for p in ps], torch.float32), t(top_k, torch.int64),
+        t([p.top_p for p in ps], torch.float32), t([p.min_p for p in ps], torch.float32),
+        t([uniform(k) for k in keys], torch.float32))
+
+
+def _apply_penalties(work: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> None:
+    """vLLM's penalties on rows ``idx`` of ``work`` ``[B, V]``, in place: repetition over prompt +
+    output (positive logits divided, negative multiplied), then frequency and presence over the
+    output's token counts."""
+    V = work.shape[1]
+    dev, dt = work.device, work.dtype
+    ps = [rows[i].params for i in idx]
+
+    def padded(lists):                  # padded with V: scattered into a spare column, then cut
+        n = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [V] * (n - len(x)) for x in lists], dtype=torch.long).to(dev)
+
+    def col(vals):
+        return torch.tensor(vals, dtype=dt).to(dev)[:, None]
+
+    sub = work[idx]
+    rp = col([p.repetition_penalty for p in ps])
+    seen = torch.zeros(len(idx), V + 1, dtype=torch.bool, device=dev)
+    seen.scatter_(1, padded([rows[i].prompt_ids + rows[i].output_ids for i in idx]), True)
+    sub = torch.where(seen[:, :V] & (rp != 1.0), torch.where(sub > 0, sub / rp, sub * rp), sub)
+    out_ids = padded([rows[i].output_ids for i in idx])
+    counts = torch.zeros(len(idx), V + 1, dtype=dt, device=dev)
+    counts = counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=dt))[:, :V]
+    fp, pp = col([p.frequency_penalty for p in ps]), col([p.presence_penalty for p in ps])
+    work[idx] = sub - fp * counts - pp * (counts > 0).to(dt)
+
+
+def _draw(work: torch.Tensor, sb: SampleBatch) -> torch.Tensor:
+    """Tokens ``[S]`` int64 for the drawn rows' logits ``work`` ``[S, V]``: temperature, then the
+    top-k / top-p / min-p masks, then inverse-CDF sampling with the row's uniform u: the first
+    token whose cumulative probability exceeds ``u * total`` (no renormalisation: the row's total
+    is the last cumsum entry). Picks token v with probability ``probs[v] / total``."""
+    probs = torch.softmax(work / sb.temperature[:, None], dim=-1)
+    zero = torch.zeros_like(probs)
+    if sb.top_k_max:                    # each row's kth largest probability, from one top-k
+        top = probs.topk(sb.top_k_max, dim=-1).values
+        kth = top.gather(1, (torch.clamp(sb.top_k, min=1) - 1)[:, None])
+        probs = torch.where((probs >= kth) | (sb.top_k[:, None] == 0), probs, zero)
+    if sb.top_p_any:
+        sp, order = probs.sort(dim=-1, descending=True, stable=True)
+        cum = sp.cumsum(dim=-1)
+        # keep tokens until the kept mass reaches top_p of the row's total (the last cumsum entry)
+        keep = (cum - sp) < sb.top_p[:, None] * cum[:, -1:]
+        probs = torch.where(torch.zeros_like(keep).scatter(1, order, keep), probs, zero)
+    probs = torch.where(probs >= sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, probs, zero)
+    cdf = probs.cumsum(dim=-1)
+    tok = torch.searchsorted(cdf, sb.u[:, None] * cdf[:, -1:], right=True)[:, 0]
+    return tok.clamp_(max=probs.shape[-1] - 1)          # a NaN row (flagged non-finite) finds none
+
+
+def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Device half: pick one token per row without leaving the logits' device.
+
+    Args:
+        logits: ``[B, V]`` fp32 model logits (not modified), V < 2^24.
+        rows: B sequences' params, positions and histories.
+    Returns:
+        ``[B, 3 + 2 * top_n]`` fp32 on the logits' device (top_n: the most alternatives a row asked
+        for): per row the token id, its raw logprob (NaN when the row asked for none), top_n
+        alternative ids, their logprobs, and 1.0 where every logit of the row is finite.
+    Raises:
+        ValueError: V is 2^24 or more (ids would not be exact in fp32).
+    """
     B, V = logits.shape
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(V, dtype=torch.bool)
-            seen[torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.long)] = True
-            row = logits[i]
-            pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            logits[i] = torch.where(seen, pen, row)
-        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=V)[:V].float()
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    return logits
+    if V >= MAX_VOCAB:
+        raise ValueError(f"vocab {V} >= 2^24: token ids are not exact in the fp32 result")
+    logits = logits.detach().float()
+    sb = sample_batch(rows, V, logits.device)
+    work = logits
+    if sb.penalised:
+        work = logits.clone()
+        _apply_penalties(work, rows, sb.penalised)
+    if sb.drawn and not sb.greedy:
+        tok = _draw(work, sb)
+    else:
+        tok = work.argmax(dim=-1)                           # first maximum: lowest id on ties
+        if sb.drawn:
+            drawn = torch.tensor(sb.drawn, dtype=torch.long).to(logits.device)
+            tok = tok.index_copy(0, drawn, _draw(work[drawn], sb))
+    cols = [tok.float()[:, None]]
+    lp = torch.log_softmax(logits, dim=-1) if sb.logprobs else None
+    cols.append(lp.gather(1, tok[:, None]) if lp is not None else torch.full_like(cols[0], float("nan")))
+    if sb.top_n:
+        # the top_n by logprob, ties by token id (top-k alone may pick any of the entries tied at
+        # the cut): all above the cut value, then the lowest ids at it; sorted by id, then stably
+        # by value
+        cut = lp.topk(sb.top_n, dim=-1).values[:, -1:]
+        neg_id = -torch.arange(V, dtype=lp.dtype, device=lp.device).expand_as(lp)
+        rank = torch.where(lp > cut, float(V), torch.where(lp == cut, neg_id, float("-inf")))
+        ids = rank.topk(sb.top_n, dim=-1).indices.sort(dim=-1).values
+        vals, order = lp.gather(1, ids).sort(dim=-1, descending=True, stable=True)
+        cols += [ids.gather(1, order).float(), vals]
+    # a NaN / inf logit makes the row sum non-finite (so would a sum past 3e38, which only a
+    # broken model gives); 50x cheaper than isfinite().all() on the CPU
+    cols.append(torch.isfinite(logits.sum(dim=-1, keepdim=True)).float())
+    return torch.cat(cols, dim=1)
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled probabilities ``[V]`` with top-k / top-p / min-p applied (renormalised)."""
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    if p.top_k > 0 and p.top_k < probs.shape[-1]:
-        kth = probs.topk(p.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if p.top_p < 1.0:
-        sp, order = probs.sort(descending=True, stable=True)
-        cum = sp.cumsum(-1) / sp.sum()
-        keep_sorted = (cum - sp / sp.sum()) < p.top_p          # keep tokens until mass reaches top_p
-        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-    if p.min_p > 0:
-        probs = torch.where(probs >= p.min_p * probs.max(), probs, torch.zeros_like(probs))
-    return probs / probs.sum()
+def unpack(result: list[list[float]], rows: list[SampleRow]) -> tuple[list[Sampled], list[bool]]:
+    """Host side of ``sample_device``'s result (``.tolist()``, the step's one copy to the host):
+    the B ``Sampled`` and whether each row's logits were finite."""
+    out, finite = [], []
+    for r, v in zip(rows, result):
+        res, n = Sampled(int(v[0])), r.params.logprobs
+        if n is not None:
+            res.logprob = v[1]
+            top = (len(v) - 3) // 2
+            res.top_logprobs = [(int(v[2 + j]), v[2 + top + j]) for j in range(n)]
+        out.append(res)
+        finite.append(v[-1] == 1.0)
+    return out, finite
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-    """Pick one token per row.
-
-    Args:
-        logits: ``[B, V]`` fp32 model logits (not modified).
-        rows: B sequences' params, positions and histories.
-    Returns:
-        B ``Sampled``. logprobs are the model's raw log-softmax (before penalties and temperature),
-        as vLLM reports them by default; top alternatives sorted by logprob, ties by token id.
-    """
-    # one row at a time: a reduction over a whole vocab row is split across threads differently
-    # when the batch has one row or many, which would make results depend on the batch
-    # on the host: draws are then the same whichever device (or process) produced the logits
-    logits = logits.detach().float().cpu()
-    penalised = any(r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-                    for r in rows)
-    work = _apply_penalties(logits.clone(), rows) if penalised else logits
-    out = []
-    for i, r in enumerate(rows):
-        p = r.params
-        raw_lp = torch.log_softmax(logits[i], dim=-1) if p.logprobs is not None else None
-        if p.greedy:
-            tok = int(torch.argmax(work[i]))                    # first maximum: lowest id on ties
-        else:
-            probs = _filter(work[i], p)
-            seed = p.seed if p.seed is not None else random.getrandbits(63)     # unseeded: not reproducible
-            g = torch.Generator(device="cpu").manual_seed(position_seed(seed, r.position))
-            u = torch.rand(probs.shape[-1], generator=g, dtype=torch.float64)
-            race = probs.double() / -torch.log1p(-u)            # exponential race: P(tok) = probs[tok]
-            tok = int(torch.argmax(race))
-        res = Sampled(tok)
-        if p.logprobs is not None:
-            res.logprob = float(raw_lp[tok])
-            if p.logprobs:
-                vals, ids = torch.sort(raw_lp, descending=True, stable=True)
-                res.top_logprobs = [(int(t), float(v)) for t, v in zip(ids[:p.logprobs], vals[:p.logprobs])]
-            else:
-                res.top_logprobs = []
-        out.append(res)
-    return out
+    """``sample_device`` then ``unpack``: B ``Sampled`` (logprobs are the model's raw log-softmax,
+    before penalties and temperature, as vLLM reports them by default; top alternatives sorted by
+    logprob, ties by token id)."""
+    return unpack(sample_device(logits, rows).tolist(), rows)[0]

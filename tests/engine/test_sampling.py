@@ -1,4 +1,5 @@
-"""Sampler: parameter checks, each transform's math, seeded draws independent of the batch."""
+"""Sampler: parameter checks, each transform's math, seeded draws independent of the batch, the
+device-side result and its uniform."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from engine.core.sampling_params import SampleRow, SamplingError, SamplingParams, position_seed
-from engine.core.sampler import sample
+from engine.core.sampler import sample, sample_device, uniform, unpack
 
 
 def _row(params, position=10, prompt=(), output=()):
@@ -112,3 +113,53 @@ def test_seeded_draw_independent_of_batch_and_order():
 def test_unseeded_requests_get_a_seed_at_admission():
     p = SamplingParams(temperature=1.0).with_seed()
     assert isinstance(p.seed, int) and p.with_seed() is p
+
+
+def _mixed_rows():
+    P = SamplingParams
+    return [_row(P(temperature=0), 5), _row(P(temperature=0.8, top_k=40, seed=1), 6),
+            _row(P(temperature=1.2, top_p=0.7, min_p=0.01, seed=2, logprobs=3), 7),
+            _row(P(temperature=0, repetition_penalty=1.3, logprobs=0), 8, prompt=[3, 9], output=[4]),
+            _row(P(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, seed=3), 9, output=[7, 7, 2]),
+            _row(P(temperature=0.5, top_k=3, top_p=0.5, seed=4, logprobs=20), 10)]
+
+
+def test_mixed_batch_at_the_real_vocab_equals_each_row_alone():
+    # greedy, drawn, penalised and logprob rows in one batch of DeepSeek-V4's 129,280-entry rows:
+    # every field of every row (id, logprob, alternatives) equals that row sampled alone
+    logits = torch.randn(6, 129280, generator=torch.Generator().manual_seed(5)) * 4
+    rows = _mixed_rows()
+    together = sample(logits, rows)
+    assert together == [sample(logits[i:i + 1], [r])[0] for i, r in enumerate(rows)]
+    assert together[::-1] == sample(logits.flip(0), rows[::-1])
+    assert [len(x.top_logprobs) if x.top_logprobs is not None else None for x in together] == \
+        [None, None, 3, 0, None, 20]
+    assert together[0].token_id == int(logits[0].argmax())
+
+
+def test_one_small_result_per_step_and_non_finite_rows_flagged():
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(6))
+    logits[4, 17] = float("nan")
+    res = sample_device(logits, _mixed_rows())
+    assert res.shape == (6, 3 + 2 * 20) and res.dtype == torch.float32      # widest logprobs ask: 20
+    sampled, finite = unpack(res.tolist(), _mixed_rows())
+    assert finite == [True, True, True, True, False, True]
+    assert [s.token_id for s in sampled] == res[:, 0].long().tolist()
+    with pytest.raises(ValueError, match="2\\^24"):
+        sample_device(torch.zeros(1, 1 << 24), [_row(SamplingParams())])
+
+
+def test_top_logprobs_ties_by_token_id():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]])
+    res = sample(logits, [_row(SamplingParams(temperature=0, logprobs=4))])[0]
+    assert res.token_id == 1 and [t for t, _ in res.top_logprobs] == [1, 3, 5, 2]
+
+
+def test_uniform_is_exact_in_fp32_and_strictly_inside_0_1():
+    keys = [0, (1 << 63) - 1, position_seed(7, 3), position_seed(7, 4)]
+    us = [uniform(k) for k in keys]
+    assert us[0] == 0.5 / (1 << 23) and us[1] == 1 - 0.5 / (1 << 23) and us[2] != us[3]
+    t = torch.tensor(us, dtype=torch.float32)
+    assert t.double().tolist() == us                              # exact in fp32
+    total = torch.tensor([1.0, 3.0, 0.7, 1e-30])
+    assert bool((t[1] * total < total).all())                     # u * total never reaches total
