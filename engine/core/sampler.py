@@ -6,11 +6,11 @@ on the logits' device; the host gets back one small tensor per step (the ids, a 
 row and the logprobs asked for), never the ``[B, V]`` logits.
 
 Batch invariance: every decision uses only row-wise ops whose per-row results do not depend on the
-batch (softmax, log-softmax, cumsum, max, top-k, sort, argmax, searchsorted); no full-row float
-``sum`` feeds one (its split across threads changes with the number of rows). The draw is
-inverse-CDF sampling with one uniform per row taken from ``position_seed(seed, position)`` on the
-host: a pure function of the row, an input tensor to the step (so a captured step can take it),
-the same on every device up to the ulps of a device's cumsum.
+batch (softmax, log-softmax, cumsum, max, top-k, sort, argmax); no full-row float
+``sum`` feeds one (its split across threads changes with the number of rows). The draw is an
+exponential race whose noise hashes ``(position_seed(seed, position), token id)`` in int32
+arithmetic: a pure function of the row, whose only input is one int32 key per row (so a captured
+step can take it), the same on every device up to the ulps of ``log1p``.
 """
 from __future__ import annotations
 
@@ -23,13 +23,42 @@ from engine.core.sampling_params import Sampled, SampleRow, position_seed
 
 # token ids travel to the host in the fp32 result tensor: exact below 2^24 (DeepSeek-V4: 129,280)
 MAX_VOCAB = 1 << 24
-_U_BITS = 23
+_U_BITS = 23            # u = (h + 0.5) / 2^23: strictly inside (0, 1) and exact in fp32
+_ID_HASH: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def uniform(key: int) -> float:
-    """The draw's uniform in (0, 1) from a ``position_seed`` key: its top 23 bits, centred, so that
-    ``u * total`` stays below ``total`` in fp32 and the value itself is exact in fp32."""
-    return ((key >> (63 - _U_BITS)) + 0.5) / (1 << _U_BITS)
+def _shr_xor_(h: torch.Tensor, s: int) -> torch.Tensor:
+    """``h ^= h >>> s`` in place on int32 (torch's ``>>`` is arithmetic: the sign bits are masked)."""
+    return h.bitwise_xor_((h >> s).bitwise_and_((1 << (32 - s)) - 1))
+
+
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser, in place, in wrapping int32 arithmetic (signed constants)."""
+    _shr_xor_(h, 16).mul_(-2048144789)            # 0x85ebca6b
+    _shr_xor_(h, 13).mul_(-1028477387)            # 0xc2b2ae35
+    return _shr_xor_(h, 16)
+
+
+def _id_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """``fmix32(id * 0x9e3779b9)`` for every token id ``[V]`` int32, made once per device."""
+    key = (vocab, str(device))
+    if key not in _ID_HASH:
+        _ID_HASH[key] = _fmix32_(torch.arange(vocab, dtype=torch.int32, device=device).mul_(-1640531527))
+    return _ID_HASH[key]
+
+
+def exponential_noise(key: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise ``[S, vocab]`` fp32, every value > 0 and finite, from per-row keys ``[S]``
+    int32: ``-log1p(-u)`` with u uniform on 2^23 points of (0, 1) hashed from (key, token id)."""
+    h = _fmix32_(_id_hash(vocab, key.device)[None, :] ^ key[:, None])
+    u = h.bitwise_and_((1 << _U_BITS) - 1).float()
+    return u.add_(0.5).mul_(-2.0 ** -_U_BITS).log1p_().neg_()
+
+
+def noise_key(key: int) -> int:
+    """The 32-bit noise key (as a signed int32 value) of a 63-bit ``position_seed``: its top bits."""
+    k = (key >> 31) & 0xFFFFFFFF
+    return k - (1 << 32) if k >= 1 << 31 else k
 
 
 @dataclass
@@ -48,7 +77,7 @@ class SampleBatch:
     top_k: torch.Tensor           # int64, 0 = off
     top_p: torch.Tensor           # fp32
     min_p: torch.Tensor           # fp32
-    u: torch.Tensor               # fp32 uniform(position_seed(seed, position))
+    key: torch.Tensor             # int32 noise_key(position_seed(seed, position))
 
 
 def sample_batch(rows: list[SampleRow], vocab: int, device: torch.device) -> SampleBatch:
@@ -71,7 +100,7 @@ def sample_batch(rows: list[SampleRow], vocab: int, device: torch.device) -> Sam
         max((r.params.logprobs or 0) for r in rows), max(top_k, default=0), any(p.top_p < 1.0 for p in ps),
         t([p.temperature for p in ps], torch.float32), t(top_k, torch.int64),
         t([p.top_p for p in ps], torch.float32), t([p.min_p for p in ps], torch.float32),
-        t([uniform(k) for k in keys], torch.float32))
+        t([noise_key(k) for k in keys], torch.int32))
 
 
 def _apply_penalties(work: torch.Tensor, rows: list[SampleRow], idx: list[int]) -> None:
@@ -103,9 +132,11 @@ def _apply_penalties(work: torch.Tensor, rows: list[SampleRow], idx: list[int]) 
 
 def _draw(work: torch.Tensor, sb: SampleBatch) -> torch.Tensor:
     """Tokens ``[S]`` int64 for the drawn rows' logits ``work`` ``[S, V]``: temperature, then the
-    top-k / top-p / min-p masks, then inverse-CDF sampling with the row's uniform u: the first
-    token whose cumulative probability exceeds ``u * total`` (no renormalisation: the row's total
-    is the last cumsum entry). Picks token v with probability ``probs[v] / total``."""
+    top-k / top-p / min-p masks (not renormalised: the race's argmax does not depend on the
+    scale), then the exponential race ``argmax(probs / Exp(1) noise)``, which picks token v with
+    probability ``probs[v] / sum``. A race is decided by the leading candidates alone, so a
+    logit that moves by an ulp (a captured step, another device) flips a draw only at a near-tie;
+    an inverse-CDF draw would move with every logit below the sample."""
     probs = torch.softmax(work / sb.temperature[:, None], dim=-1)
     zero = torch.zeros_like(probs)
     if sb.top_k_max:                    # each row's kth largest probability, from one top-k
@@ -115,13 +146,12 @@ def _draw(work: torch.Tensor, sb: SampleBatch) -> torch.Tensor:
     if sb.top_p_any:
         sp, order = probs.sort(dim=-1, descending=True, stable=True)
         cum = sp.cumsum(dim=-1)
-        # keep tokens until the kept mass reaches top_p of the row's total (the last cumsum entry)
+        # keep tokens until the kept mass reaches top_p of the row's total: the last cumsum entry,
+        # which (unlike a parallel sum) comes out the same for any batch
         keep = (cum - sp) < sb.top_p[:, None] * cum[:, -1:]
         probs = torch.where(torch.zeros_like(keep).scatter(1, order, keep), probs, zero)
     probs = torch.where(probs >= sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, probs, zero)
-    cdf = probs.cumsum(dim=-1)
-    tok = torch.searchsorted(cdf, sb.u[:, None] * cdf[:, -1:], right=True)[:, 0]
-    return tok.clamp_(max=probs.shape[-1] - 1)          # a NaN row (flagged non-finite) finds none
+    return probs.div_(exponential_noise(sb.key, probs.shape[-1])).argmax(dim=-1)
 
 
 def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

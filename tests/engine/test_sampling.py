@@ -1,5 +1,5 @@
 """Sampler: parameter checks, each transform's math, seeded draws independent of the batch, the
-device-side result and its uniform."""
+device-side result and its noise."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.core.sampling_params import SampleRow, SamplingError, SamplingParams, position_seed
-from engine.core.sampler import sample, sample_device, uniform, unpack
+from engine.core.sampler import exponential_noise, noise_key, sample, sample_device, unpack
 
 
 def _row(params, position=10, prompt=(), output=()):
@@ -155,11 +155,13 @@ def test_top_logprobs_ties_by_token_id():
     assert res.token_id == 1 and [t for t, _ in res.top_logprobs] == [1, 3, 5, 2]
 
 
-def test_uniform_is_exact_in_fp32_and_strictly_inside_0_1():
-    keys = [0, (1 << 63) - 1, position_seed(7, 3), position_seed(7, 4)]
-    us = [uniform(k) for k in keys]
-    assert us[0] == 0.5 / (1 << 23) and us[1] == 1 - 0.5 / (1 << 23) and us[2] != us[3]
-    t = torch.tensor(us, dtype=torch.float32)
-    assert t.double().tolist() == us                              # exact in fp32
-    total = torch.tensor([1.0, 3.0, 0.7, 1e-30])
-    assert bool((t[1] * total < total).all())                     # u * total never reaches total
+def test_noise_is_a_pure_positive_function_of_the_key():
+    keys = torch.tensor([noise_key(position_seed(7, p)) for p in range(4)], dtype=torch.int32)
+    e = exponential_noise(keys, 50000)
+    assert torch.equal(e, exponential_noise(keys, 50000))
+    assert torch.equal(e[2:3], exponential_noise(keys[2:3], 50000))          # row by row
+    assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+    # Exp(1): mean and variance 1; rows with different keys are unrelated
+    assert abs(float(e.mean()) - 1) < 0.01 and abs(float(e.var()) - 1) < 0.03
+    assert abs(float(torch.corrcoef(e[:2])[0, 1])) < 0.02
+    assert noise_key(0) == 0 and noise_key((1 << 63) - 1) == -1
