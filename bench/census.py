@@ -82,7 +82,7 @@ def census(cfg, ckpt: Path, platform: str, batch: int, context: int, steps: int,
     from engine.build import DTYPES
     from engine.checkpoint.loader import load_model
     from engine.core.sampling_params import SamplingParams
-    from engine.ops import ops_for
+    from engine.ops import ops_for, residual_dtype_for
 
     rec, syncs = OpRecorder(), SyncCounter()
     with ExitStack() as stack:
@@ -94,10 +94,12 @@ def census(cfg, ckpt: Path, platform: str, batch: int, context: int, steps: int,
             runtime.FALLBACK_OBSERVERS.append(rec.on_fallback)
             stack.callback(runtime.FALLBACK_OBSERVERS.remove, rec.on_fallback)
         cp = cfg.model_config.custom_params
-        ops = rec.table(ops_for("npu" if platform == "npu-stub" else "cpu", cp.kernel_config))
+        kind = "npu" if platform == "npu-stub" else "cpu"
+        ops = rec.table(ops_for(kind, cp.kernel_config))
         model = load_model(ckpt, dtype=DTYPES[cfg.model_config.dtype], ops=ops, progress=False,
                            mtp=cfg.model_config.next_n > 0)
-        model.configure(cp.moe_chunk_max_len)
+        model.configure(cp.moe_chunk_max_len,
+                        residual_dtype=residual_dtype_for(kind, DTYPES[cfg.model_config.dtype]))
         eng = _engine(model, cfg, batch, context, steps)
         g = torch.Generator().manual_seed(0)
         # room past the counted steps: a request prefilled one step earlier must not finish inside them

@@ -12,7 +12,7 @@ from engine.config import ConfigError, ModelArgs
 from engine.config_checks import check_min_ranks
 from engine.core.executor import ExecutorFactory
 from engine.core.llm_engine import LLMEngine
-from engine.ops import ops_for
+from engine.ops import ops_for, residual_dtype_for
 from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.core.model_runner import DecodeRunner, ExecConfig
@@ -124,7 +124,8 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
                        ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check,
                        mtp=cfg.model_config.next_n > 0)
-    model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams)
+    model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,
+                    residual_dtype_for(plat.kind, DTYPES[cfg.model_config.dtype]))
     engine = _size(cfg, model, path, executor)
     if graph and ex.graph and engine.spec is not None:
         log.info("model_config.exe_mode %s: with next_n > 0 decode runs eager (the graph step takes one token "

@@ -151,7 +151,7 @@ class StaticDecoder:
         m, a = self.model, self.model.args
         tables = {"win": win_table, "c4": c4_table, "c128": c128_table}
         rope = {k: (cos[positions], sin[positions]) for k, (cos, sin) in self.rope.items()}
-        X = F.embedding(tokens, m.embed.weight).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = m.residual_streams(F.embedding(tokens, m.embed.weight))
         for i, layer in enumerate(m.layers):
             X = self._block(i, layer, X, tokens, positions, slots, tables, *rope[id(m._rope(layer.attn.ratio))])
         h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)

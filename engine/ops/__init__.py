@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
+import torch
+
 from engine.kernel_config import IMPLS, KERNEL_CONFIG_KEY, OP_NAMES, validate_kernel_config
 from engine.ops import reference
 
@@ -76,4 +78,17 @@ def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
     raise ValueError(f"ops_for: unknown device kind {kind!r} (expected cpu, cuda or npu)")
 
 
-__all__ = ["Ops", "REFERENCE", "OP_NAMES", "IMPLS", "KERNEL_CONFIG_KEY", "validate_kernel_config", "ops_for"]
+def residual_dtype_for(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The mHC residual streams' dtype on a device kind for a compute dtype.
+
+    bf16 on an NPU computing in bf16: ``npu_hc_pre`` takes bf16 streams only and ``npu_hc_post``
+    returns them in its input's dtype, so the fused path keeps them in bf16 between blocks, as
+    upstream runs it (§5 row 6) and as HF's bf16 model does. Everywhere else fp32: no kernel asks
+    for less, and fp32 streams are what the fp32 reference matches HF with (and what keeps a bf16
+    run closest to it). The math inside hc_pre / hc_post / hc_head is fp32 either way.
+    """
+    return torch.bfloat16 if kind == "npu" and dtype == torch.bfloat16 else torch.float32
+
+
+__all__ = ["Ops", "REFERENCE", "OP_NAMES", "IMPLS", "KERNEL_CONFIG_KEY", "validate_kernel_config", "ops_for",
+           "residual_dtype_for"]

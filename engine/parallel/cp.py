@@ -240,7 +240,7 @@ def cp_prefill(model: Transformer, tokens: torch.Tensor, group=None,
     final = model.new_state(cache=cache)
     ctx = model.parallel.rows("dp") if getattr(model, "parallel", None) is not None else nullcontext()
     with ctx:
-        X = model.embed_tokens(toks).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = model.residual_streams(model.embed_tokens(toks))
         for i in range(len(model.layers)):
             X = _block(model, i, X, toks, pos, plan, temps, final, group)
         h = model.ops.hc_head(X, model.hc_head_fn, model.hc_head_scale, model.hc_head_base, a.rms_norm_eps,

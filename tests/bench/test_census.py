@@ -94,6 +94,11 @@ def test_npu_stub_census_decodes_all_rows_in_one_call_per_layer(stub_fig):
     for op in ("sparse_attn", "cache_indexer_topk", "cache_sparse_attn"):
         assert op not in ops                              # no per-sequence attention at decode
     assert ops["gating_topk"]["kernel"] == LAYERS and ops["rope"]["kernel"] > 0     # kernels are reached
+    # bf16 residual streams on an NPU (engine.ops.residual_dtype_for): no norm falls back for its
+    # dtype, and mHC falls back only for the tiny preset's hidden size (real widths: test_npu_stub)
+    assert ops["rms_norm"]["fallback"] == {} and ops["rms_norm"]["kernel"] > 0
+    for op in ("hc_pre", "hc_post"):
+        assert ops[op]["fallback"] == {"hidden 256 not in (4096, 7168)": 2 * LAYERS}, op
     assert not any("npu_stub" in s for s in stub_fig["sync_sites"])     # the stub kernels run on a device there
 
 
