@@ -89,15 +89,68 @@ class DecodeRows:
         return attend_rows(att, self, lstates, x, q, kv, iq, iw)
 
 
+@dataclass
+class DecodeSpans:
+    """Verify spans (MTP: the pending token and its drafts, up to ``1 + next_n`` tokens) of many
+    requests, run as ``DecodeRows`` sub-steps: sub-step j holds token j of every span longer than j.
+
+    Within a layer the sub-steps run in order, so token j sees the ring rows, compressor
+    remainders and entries tokens 0..j-1 left, as a chunk of the span does in the per-sequence
+    path (its chunking invariance makes the two bit-identical); the projections, MoE and mHC of
+    all tokens still run as one batch. ``seq`` / ``rows`` / ``attend`` as ``DecodeRows``' (rows
+    sub-step by sub-step); ``where[j]``: the indices into ``seq`` of sub-step j's sequences.
+    """
+
+    steps: list[DecodeRows]
+    seq: list[int]
+    rows: torch.Tensor
+    where: list[list[int]]
+
+    @classmethod
+    def build(cls, cache: "PagedCache", states: list, spans: list[tuple[int, int, int]], window: int,
+              max_span: int) -> "DecodeRows | DecodeSpans | None":
+        """The spans of 1..``max_span`` tokens over ``cache``; a plain ``DecodeRows`` when all have
+        one token (or ``max_span`` is 1), None when there are none."""
+        pick = [j for j, (st, (_, n, _)) in enumerate(zip(states, spans))
+                if 1 <= n <= max_span and getattr(st, "cache", None) is cache]
+        longest = max((spans[j][1] for j in pick), default=0)
+        if longest <= 1:
+            return DecodeRows.build(cache, states, spans, window)
+        steps, where = [], []
+        for t in range(longest):
+            idx = [i for i, j in enumerate(pick) if spans[j][1] > t]
+            steps.append(DecodeRows.build(cache, [states[pick[i]] for i in idx],
+                                          [(spans[pick[i]][0] + t, 1, spans[pick[i]][2] + t) for i in idx], window))
+            where.append(idx)
+        return cls(steps, pick, torch.cat([s.rows for s in steps]), where)
+
+    def attend(self, att, lstates: list, x: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               iq: torch.Tensor | None, iw: torch.Tensor | None) -> torch.Tensor:
+        """``DecodeRows.attend`` per sub-step, in order; returns ``[R, h, d]`` in ``rows``' order."""
+        out, o = torch.empty_like(q), 0
+        for step, idx in zip(self.steps, self.where):
+            sl = slice(o, o + len(idx))
+            out[sl] = attend_rows(att, step, [lstates[i] for i in idx], x[sl], q[sl], kv[sl],
+                                  None if iq is None else iq[sl], None if iw is None else iw[sl])
+            o += len(idx)
+        return out
+
+
 def compress_rows(comp, x: torch.Tensor, dec: DecodeRows, state_pool: tuple[torch.Tensor, torch.Tensor],
-                  entry_pool: torch.Tensor, table: torch.Tensor | None, entries, out_dtype: torch.dtype) -> None:
+                  entry_pool: torch.Tensor, table: torch.Tensor | None, entries, out_dtype: torch.dtype,
+                  remainders: list) -> None:
     """``reference.compressor`` (§3.4) for one token per row, over the state and entry pools.
 
     x ``[B, H]``; state_pool: (kv, score) ``[slots, rows, c*d]`` fp32; entry_pool: the entries'
     ``CacheRows`` (rows of d, written through its codec); table
-    ``[B, nb]`` of the entry pool; entries: each row's ``PagedEntries`` (their counts advance).
-    A row whose window closes (p % m == m-1) pools it and writes entry p // m.
+    ``[B, nb]`` of the entry pool; entries: each row's ``PagedEntries`` (their counts advance);
+    remainders: each row's ``CompressorState`` (views of its slot), whose ``journal`` (a verify
+    span's, ``engine.core.spec_decode.Rollback``) gets the row's input as ``Compressor.forward``
+    records it. A row whose window closes (p % m == m-1) pools it and writes entry p // m.
     """
+    for i, st in enumerate(remainders):
+        if st is not None and st.journal is not None:
+            st.journal.append((comp, x[i:i + 1], dec.pos[i], out_dtype))
     m, width = comp.ape.shape
     overlap = m == CSA_RATIO
     d = width // 2 if overlap else width
@@ -149,11 +202,12 @@ def attend_rows(att, dec: DecodeRows, lstates: list, x: torch.Tensor, q: torch.T
         if att.compressor is not None:
             pool_name = "c4" if att.ratio == CSA_RATIO else "c128"
             cmp, table = s0.cmp_kv.pool, dec.tables.get(pool_name)
-            compress_rows(att.compressor, x, dec, s0.comp_pool, cmp, table, [s.cmp_kv for s in lstates], kv.dtype)
+            compress_rows(att.compressor, x, dec, s0.comp_pool, cmp, table, [s.cmp_kv for s in lstates], kv.dtype,
+                          [s.comp for s in lstates])
             if att.indexer is not None:
                 idx = att.indexer
                 compress_rows(idx.compressor, x, dec, s0.idx_comp_pool, s0.idx_kv.pool, dec.tables.get("c4"),
-                              [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype)
+                              [s.idx_kv for s in lstates], s0.idx_kv.pool.dtype, [s.idx_comp for s in lstates])
                 topk = ops.decode_indexer_topk(iq, iw, s0.idx_kv.pool, dec.tables.get("c4"), bs, dec.positions,
                                                dec.pos, CSA_RATIO, idx.topk, idx.head_dim ** -0.5)
         if table is None:               # no row holds an entry block yet: nothing to attend but the window

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import CSA_RATIO
-from engine.core.batched_decode import DecodeRows
+from engine.core.batched_decode import DecodeRows, DecodeSpans
 from engine.core.block_manager import SeqBlocks, slot_mapping
 from engine.model.state import CompressorState
 from engine.ops.cache_codec import CacheRows
@@ -133,7 +133,9 @@ class PagedSequenceState:
                        for l in range(cache.geometry.num_layers)]
         self.num_tokens = num_tokens
 
-    def decode_context(self, states: list, spans: list[tuple[int, int, int]], window: int) -> DecodeRows | None:
-        """The model's per-step batched-decode context (``Transformer.forward_batch``): the
-        single-token rows of ``states`` over this state's pools, run together (``DecodeRows``)."""
-        return DecodeRows.build(self.cache, states, spans, window)
+    def decode_context(self, states: list, spans: list[tuple[int, int, int]],
+                       window: int) -> DecodeRows | DecodeSpans | None:
+        """The model's per-step batched-decode context (``Transformer.forward_batch``): the spans
+        of ``states`` over this state's pools with one token, or up to ``1 + next_n`` (MTP verify
+        spans), run together (``DecodeRows`` / ``DecodeSpans``)."""
+        return DecodeSpans.build(self.cache, states, spans, window, 1 + self.cache.config.next_n)

@@ -109,8 +109,10 @@ class Rollback:
             if prev is not None:
                 comp.prev_kv.copy_(prev[0])
                 comp.prev_score.copy_(prev[1])
-            for compressor, x, start_pos, out_dtype in journal:
-                compressor(x[:keep], start_pos, comp, out_dtype)      # its entries are already stored
+            for compressor, x, start_pos, out_dtype in journal:   # a span's input, or one row's
+                n = min(x.shape[0], self.L + keep - start_pos)
+                if n > 0:
+                    compressor(x[:n], start_pos, comp, out_dtype)     # its entries are already stored
 
 
 class SpecDecoder:
@@ -175,7 +177,7 @@ class SpecDecoder:
     def draft(self, streams: torch.Tensor) -> None:
         """MTP catch-up over this step's computed positions, then the next drafts.
 
-        ``streams``: the trunk forward's output streams ``[T, n, H]`` fp32 (``begin``'s rows).
+        ``streams``: the trunk forward's output streams ``[T, n, H]`` (residual dtype) (``begin``'s rows).
         A request takes part while it holds state (running, or held for export) and the step
         computed positions of its last ``sliding_window``; it drafts when its next step decodes.
         """

@@ -46,7 +46,8 @@ class Block(nn.Module):
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 spans: list[tuple[int, int, int]], states: list[LayerState], cos: torch.Tensor,
                 sin: torch.Tensor, dec=None) -> torch.Tensor:
-        """X ``[T, n, H]`` fp32 residual streams -> ``[T, n, H]`` fp32; blocks compute in ``self.dtype``.
+        """X ``[T, n, H]`` residual streams -> ``[T, n, H]`` in X's dtype (fp32, or bf16 where the
+        platform's mHC kernels take it: ``engine.ops.residual_dtype_for``); blocks compute in ``self.dtype``.
 
         Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states / dec).
         """
@@ -95,17 +96,18 @@ class MTPBlock(Block):
         their MTP window states, updated in place).
 
         Args:
-            streams: ``[T, n, H]`` fp32: row t's trunk output streams (or this block's, chaining).
+            streams: ``[T, n, H]`` residual dtype: row t's trunk output streams (or this block's, chaining).
             emb_next: ``[T, H]`` compute dtype, the embedding of row t's next token ``tokens_next``.
             positions: ``[T]`` int64, the positions of the input hidden states.
         Returns:
-            (``[T, n, H]`` fp32 output streams, ``[T, H]`` compute-dtype hidden for the shared head).
+            (``[T, n, H]`` output streams in ``streams``' dtype, ``[T, H]`` compute-dtype hidden for
+            the shared head).
         """
         a = self.args
         T, n, H = streams.shape
         e = self.e_proj(self.enorm(emb_next))                                           # [T, H]
         h = self.h_proj(self.hnorm(streams.reshape(T * n, H)).to(self.dtype)).view(T, n, H)
-        X = (e.unsqueeze(1) + h).float()
+        X = (e.unsqueeze(1) + h).to(streams.dtype)                  # the trunk's residual dtype
         X = self.forward(X, tokens_next, positions, spans, states, cos, sin)
         hid = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return X, self.norm(hid).to(self.dtype)
@@ -141,10 +143,19 @@ class Transformer(nn.Module):
         # decode_* ops; their compressor rows are the reference compressor's math, so only where that
         # op is the reference (no platform maps it: engine.ops.npu.NOT_MAPPED)
         self._batch_decode = inspect.unwrap(ops.compressor) is REFERENCE.compressor
+        self.residual_dtype = torch.float32          # configure() sets the platform's
 
-    def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False) -> None:
-        """Run options of the eager path: routed-MoE chunk length (custom_params.moe_chunk_max_len),
-        and with ``multi_streams`` on a device platform the shared expert on a side stream (§8.2)."""
+    def residual_streams(self, emb: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[T, H]`` -> the ``hc_mult`` identical residual streams ``[T, n, H]`` in
+        ``residual_dtype`` (fp32 unless the platform's mHC kernels take bf16; §3.1 step 2, §5 row 6)."""
+        return emb.to(self.residual_dtype).unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()
+
+    def configure(self, moe_chunk_max_len: int | None = None, platform=None, multi_streams: bool = False,
+                  residual_dtype: torch.dtype = torch.float32) -> None:
+        """Run options: routed-MoE chunk length (custom_params.moe_chunk_max_len), with
+        ``multi_streams`` on a device platform the shared expert on a side stream (§8.2), and the
+        mHC residual streams' dtype (``engine.ops.residual_dtype_for``)."""
+        self.residual_dtype = residual_dtype
         side = platform.new_stream() if multi_streams and platform is not None else None
         for layer in [*self.layers, *self.mtp]:
             layer.ffn.chunk, layer.ffn.platform, layer.ffn.side = moe_chunk_max_len, platform, side
@@ -212,11 +223,10 @@ class Transformer(nn.Module):
             off += n
         positions = torch.cat(pos) if pos else tokens.new_zeros(0)         # no sequences: an idle DP rank
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
-        # mHC residual streams stay fp32 in every compute dtype (§5 row 6, the NPU native path)
-        X = self.embed_tokens(tokens).float().unsqueeze(1).expand(-1, a.hc_mult, -1).contiguous()
+        X = self.residual_streams(self.embed_tokens(tokens))
         dec = None             # single-token rows the states' own context runs together (paged decode)
         if self._batch_decode:
-            ctx = next((st for st, (_, n, _) in zip(states, spans) if n == 1 and hasattr(st, "decode_context")), None)
+            ctx = next((st for st, (_, n, _) in zip(states, spans) if n >= 1 and hasattr(st, "decode_context")), None)
             dec = ctx.decode_context(states, spans, a.sliding_window) if ctx is not None else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],

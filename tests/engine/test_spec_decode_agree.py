@@ -162,3 +162,35 @@ def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(
         eng.step()
     seq, _ = eng.export_state("r")
     assert seq.num_computed == 65 and len(seq.output_ids) == 1
+
+
+def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeypatch):
+    """The verify spans of all requests (1 + next_n rows each) go through the batched decode ops
+    as sub-steps (``DecodeSpans``), and give, id for id and logprob for logprob, what the
+    per-sequence path gives (which the tests above hold to next_n 0's tokens and states)."""
+    from engine.core import batched_decode
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=2,
+                             ignore_eos=True) for i in range(len(PROMPTS))]
+    spans, build = [], batched_decode.DecodeSpans.build
+
+    def spy(*a, **kw):
+        ctx = build(*a, **kw)
+        if isinstance(ctx, batched_decode.DecodeSpans):
+            spans.append(max(len(w) for w in ctx.where))
+        return ctx
+
+    monkeypatch.setattr(batched_decode.DecodeSpans, "build", spy)
+
+    def run():
+        eng = LLMEngine.build(model, block_size=16, batch_size=4, max_prefill_tokens=64, max_model_len=256,
+                              num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=3)
+        out = eng.generate(PROMPTS, params)
+        assert eng.num_free_blocks() == eng.num_total_blocks()
+        return [(s.output_ids, [(x.logprob, x.top_logprobs) for x in s.logprobs]) for s in out], eng
+
+    batched, eng = run()
+    assert spans and max(spans) == len(PROMPTS)          # all requests' spans in one sub-step
+    assert eng.spec.stats.num_accepted_tokens > 0
+    monkeypatch.setattr(model, "_batch_decode", False)
+    spans.clear()
+    assert run()[0] == batched and not spans
