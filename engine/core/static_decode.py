@@ -22,12 +22,11 @@ import torch.nn.functional as F
 
 from engine.core.kv_cache import PagedCache
 from engine.core.paged_state import slot_mapping
-from engine.config import CSA_RATIO, HCA_RATIO
+from engine.config import CSA_RATIO
 from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
 from engine.model.transformer import Block, Transformer
 from engine.ops import reference
-from engine.ops.cache_codec import quant_query
 from engine.ops.packed import Packed, dequant
 from engine.platform import Platform, detect
 
@@ -185,44 +184,22 @@ class StaticDecoder:
             if att.indexer is not None:
                 iq, iw = att.indexer.project(x, c_q, cos, sin)
         self._join()
-        # window ring: write this token, then read positions p-W+1 .. p (ring_len >= W)
+        # window ring: write this token; the seam's decode ops then read positions p-W+1 .. p and
+        # the entries, without host positions: masked over the context bucket the tables span
         W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
         ops.cache_write(win, slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
-        wpos = positions[:, None] - W + 1 + torch.arange(W, device=x.device)
-        wk = win.read(slot_mapping(tables["win"], bs, wpos % R)).float()                 # [B, W, d]
-        qf, scale = q.float(), att.head_dim ** -0.5
-        scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill((wpos < 0)[:, None], float("-inf"))]
-        ck = None
-        if att.ratio == HCA_RATIO:                                               # dense causal entries
-            N = tables["c128"].shape[1] * bs                                   # the context bucket's entries
-            ck = c.cmp_kv[i].read(slot_mapping(tables["c128"], bs, torch.arange(N, device=x.device).expand(B, N))).float()
-            seen = torch.arange(N, device=x.device)[None] < ((positions + 1) // HCA_RATIO)[:, None]
-            scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
-        elif att.ratio == CSA_RATIO:                                             # indexer's top-k entries
-            topk = self._indexer_topk(i, att, iq, iw, positions, tables["c4"])
-            ck = c.cmp_kv[i].read(slot_mapping(tables["c4"], bs, topk.clamp_min(0))).float()   # [B, k, d]
-            s = torch.einsum("bhd,bkd->bhk", qf, ck).mul(scale)
-            scores.append(s.masked_fill((topk < 0)[:, None], float("-inf")))
-        sink = att.attn_sink.float().view(1, -1, 1).expand(B, -1, 1)
-        logits = torch.cat(scores + [sink], dim=-1)
-        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
-        o = torch.einsum("bhw,bwd->bhd", probs[..., :W], wk)
-        if ck is not None:
-            o = o + torch.einsum("bhn,bnd->bhd", probs[..., W:-1], ck)
-        o = ops.rope(o.to(q.dtype), cos, -sin)
+        table = tables[pool] if att.compressor is not None else None
+        bound = tables["c4"].shape[1] * bs * CSA_RATIO          # >= the context bucket: position + 1 <= it
+        topk = None
+        if att.indexer is not None:
+            topk = ops.decode_indexer_topk(iq, iw, c.idx_kv[i], tables["c4"], bs, positions, None, CSA_RATIO,
+                                           att.indexer.topk, att.indexer.head_dim ** -0.5, max_seqlen=bound)
+        o = ops.decode_sparse_attn(q, positions, None, win, tables["win"], R, W,
+                                   c.cmp_kv[i] if table is not None else None, table, att.ratio, topk,
+                                   att.attn_sink, att.head_dim ** -0.5, bs, max_seqlen=bound)
+        o = ops.rope(o, cos, -sin)
         o = ops.grouped_linear(att.wo_a.quant_input(o.reshape(B, att.n_groups, -1)), att.wo_a.stored)
         return att.wo_b(o.flatten(1))
-
-    def _indexer_topk(self, i: int, att: Attention, iq, iw, positions, table):
-        """Lightning-indexer top-k (§3.5) over every entry the table can hold (the context bucket's),
-        masked to the causal ones."""
-        c, bs, idx = self.cache, self.bs, att.indexer
-        N = table.shape[1] * bs
-        keys = c.idx_kv[i].read(slot_mapping(table, bs, torch.arange(N, device=iq.device).expand(iq.shape[0], N))).float()
-        q = quant_query(c.idx_codec, iq).float()
-        s = reference.weighted_relu_sum(torch.einsum("bhd,bnd->bhn", q, keys), iw, idx.head_dim ** -0.5)
-        allowed = torch.arange(N, device=iq.device)[None] < ((positions + 1) // CSA_RATIO)[:, None]
-        return reference.topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, idx.topk)
 
     def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
         """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the

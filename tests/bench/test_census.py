@@ -67,6 +67,9 @@ def test_graph_step_has_no_host_sync_and_no_graph_break(fig):
     assert g["graph_breaks"] == 0 and g["stub_graph_breaks"] == 0 and g["break_reasons"] == []
     ref = {op: row["reference"] for op, row in g["ops"].items()}
     assert ref["hc_pre"] == 2 * LAYERS and ref["hc_head"] == 1
+    # attention and the indexer are the seam's decode ops, as in the eager step (so a device's
+    # fused kernels are what a captured step runs), called without host positions
+    assert ref["decode_sparse_attn"] == LAYERS and ref["decode_indexer_topk"] == CSA_LAYERS
     assert "moe_experts" not in ref          # the routed experts are gathered per slot, outside the seam
     assert "lm_head" not in ref              # the graph step returns hidden states; logits are the engine's
 
@@ -105,6 +108,9 @@ def test_npu_stub_census_decodes_all_rows_in_one_call_per_layer(stub_fig):
 def test_npu_stub_graph_step_has_no_graph_break_of_ours(stub_fig):
     g = stub_fig["graph_step"]
     assert g["graph_breaks"] == 0 and g["break_reasons"] == [] and g["host_syncs_per_step"] == 0
+    # the captured step reaches the NPU wrappers of the decode ops (the tiny heads fall back)
+    assert sum(g["ops"]["decode_sparse_attn"]["fallback"].values()) == LAYERS
+    assert g["ops"]["rms_norm"]["kernel"] > 0 and g["ops"]["gating_topk"]["kernel"] == LAYERS
     assert g["stub_graph_breaks"] > 0                        # the stub's Python binding, counted apart
 
 

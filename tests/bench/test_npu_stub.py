@@ -41,6 +41,7 @@ EXPECTED = {
     "cache_write_kv_fp8": ["custom.kv_compress_epilog"],
     "cache_write_indexer_fp8": ["custom.indexer_compress_epilog"],
     "cache_write_indexer_int8": ["custom.scatter_nd_update_asc", "torch_npu.npu_dynamic_quant"],
+    "cache_write_kv_none": ["custom.scatter_nd_update_asc"],
     "cache_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                            "torch_npu.npu_dynamic_quant"],
     "decode_sparse_attn": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
@@ -110,6 +111,8 @@ def _cases() -> dict[str, tuple[str, tuple]]:
         "cache_write_indexer_fp8": ("cache_write", (pool("fp8", 128, True), torch.tensor([7, 0, 3]), rnd(3, 128))),
         "cache_write_indexer_int8": ("cache_write", (pool("int8", 128, True), torch.tensor([7, 0, 3]),
                                                      rnd(3, 128))),
+        # the bf16 window ring / entries: rows as they are
+        "cache_write_kv_none": ("cache_write", (pool("none", 512, False), torch.tensor([7, 0, 3]), rnd(3, 512))),
         # weights exact in fp16 and scale 1: the kernel's fp16 weights score as the reference does
         "cache_indexer_topk": ("cache_indexer_topk", (rnd(T, 64, 128), torch.randint(-8, 9, (T, 64), generator=g) / 64,
                                                       keys, torch.tensor([2, 0]), 16, torch.arange(66, 71), 4, 512,

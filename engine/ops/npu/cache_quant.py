@@ -30,9 +30,9 @@ def _write_why(rows, idx: torch.Tensor, x: torch.Tensor) -> str | None:
         dtype, shape = dtype_why("x", x, HALF), first_reason(
             None if c.dim == _IDX_BLOCK else f"indexer d {c.dim}, pool keeps one scale per 128",
             None if rows.num_rows < 2 ** 31 else "pool rows exceed int32 slot_mapping")
-    elif kind == "indexer int8":
+    elif kind == "indexer int8" or c.kind == "none":
         dtype, shape = dtype_why("x", x, HALF), (
-            None if c.dim in _SCATTER_WIDTHS else f"indexer d {c.dim}, scatter takes 1 / 128 / 512")
+            None if c.dim in _SCATTER_WIDTHS else f"{kind} d {c.dim}, scatter takes 1 / 128 / 512")
     else:
         return f"{kind} cache: no documented epilogue kernel for this kind"
     return first_reason(dtype, device_why(x), device_why(rows.parts[0]),
@@ -68,15 +68,20 @@ def cache_write(rows, idx: torch.Tensor, x: torch.Tensor) -> None:
       [CRI custom-npu_scatter_nd_update_asc.md]: var bfloat16 / float16 / int8 ``[b, s]`` with s in
       {1, 128, 512}; indices int32 / int64 ``[u, 1]``, u <= b; update ``[u, s]`` of var's dtype.
       [OPP npu_dynamic_quant]: x float16 / bfloat16.
+    * unquantised KV / indexer keys (``none``: bf16 / fp16 rows, e.g. the window ring of every
+      layer): ``torch.ops.custom.scatter_nd_update_asc(var, indices, update)`` with the rows as
+      they are (same contract: s = d in {1, 128, 512}, so Flash / Pro's 512-wide KV rows and
+      128-wide indexer keys).
 
     Args / Returns / Raises: as ``engine.ops.reference.cache_write`` (idx ``[N]`` int64 flat rows,
     none -1; x ``[N, dim]``; the pool's parts updated in place).
 
-    Falls back to the reference for: a pool kind with no documented epilogue (KV none / HiF8: the
-    HiF8 quant_mode 3 is outside the doc's contract; indexer none / HiF8), x or the pool not on an
+    Falls back to the reference for: a pool kind with no documented epilogue (HiF8: its
+    quant_mode 3 is outside the doc's contract), x or the pool not on an
     NPU, x not ``[N, dim]`` in the pool's compute dtype, no rows, non-contiguous parts; per kind:
     KV fp8 with x not bfloat16, d != 512, rope != 64 or a row other than 640 bytes; indexer fp8 with
-    d != 128 or more rows than int32 indexes; indexer int8 with d not in {128, 512}.
+    d != 128 or more rows than int32 indexes; indexer int8 and unquantised rows with d not in
+    {1, 128, 512}.
     """
     c = rows.codec
     kind = ("indexer " if c.indexer else "kv ") + c.kind
@@ -90,6 +95,8 @@ def cache_write(rows, idx: torch.Tensor, x: torch.Tensor) -> None:
     elif kind == "indexer fp8":
         custom_namespace().indexer_compress_epilog(rows.parts[0].view(torch.float8_e4m3fn), rows.parts[1], x,
                                                    idx.to(torch.int32).contiguous(), quant_mode=1, round_scale=True)
+    elif c.kind == "none":
+        custom_namespace().scatter_nd_update_asc(rows.parts[0], idx.reshape(-1, 1).contiguous(), x)
     else:
         q, s = torch_npu_module().npu_dynamic_quant(x)
         ind = idx.reshape(-1, 1).contiguous()

@@ -7,7 +7,8 @@ they get B sequences of one query each, the form the recipe's decode step passes
 queries with ``cu_seqlens_q = 0, 1, .., B``, ``seqused_kv`` / ``actual_seq_lengths_key`` =
 position + 1 per row, and each row's blocks of the stored pools through a block table, read in
 place (no copy of any key). Every size the tiling metadata needs comes from ``pos`` (positions on
-the host), so a call has no host sync.
+the host) or, in a captured step, from ``max_seqlen`` (its context bucket), so a call has no host
+sync.
 """
 from __future__ import annotations
 
@@ -37,17 +38,17 @@ def _table(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return t.clamp(max=num_blocks - 1).to(torch.int32).contiguous()
 
 
-def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int], win, win_table: torch.Tensor,
-                       ring_len: int, window: int, cmp, cmp_table: torch.Tensor | None, cmp_ratio: int,
-                       topk_idx: torch.Tensor | None, sinks: torch.Tensor, scale: float,
-                       block_size: int) -> torch.Tensor:
+def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] | None, win,
+                       win_table: torch.Tensor, ring_len: int, window: int, cmp, cmp_table: torch.Tensor | None,
+                       cmp_ratio: int, topk_idx: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+                       block_size: int, max_seqlen: int | None = None) -> torch.Tensor:
     """``reference.decode_sparse_attn`` via ``torch.ops.custom.npu_sparse_attn_sharedkv`` (tiled by
     ``npu_sparse_attn_sharedkv_metadata``), B sequences of one query each.
 
     The window ring as the kernel's ``ori_kv``: the kernel addresses position p through logical
     block ``p // bs`` of the row's ``ori_block_table``; the ring keeps p in slot ``p % ring_len``,
     so logical block j maps to ring block ``win_table[b, j % (ring_len / bs)]`` (a table of
-    ``max(pos) // bs + 1`` entries per row: O(context), int32). The band mask (mode 4, left
+    ``S2 / bs`` entries per row, S2 = ``max(pos) + 1`` or ``max_seqlen``: O(context), int32). The band mask (mode 4, left
     ``window - 1``) lets in exactly the ring's live positions. The entry pool as ``cmp_kv`` with
     the row's entry blocks; CSA passes the indexer's picks as ``cmp_sparse_indices [B, 1, 512]``
     (-1 padded), HCA none (mode 3 causal: every closed entry). Window-only layers pass
@@ -73,12 +74,13 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
                        None if topk_idx is None or (topk_idx.shape[-1] == _SAS_TOPK and cmp_ratio == 4)
                        else "top-k width is not 512 (or not on a ratio-4 layer)",
                        _block_why(block_size),
-                       None if ring_len % block_size == 0 else f"ring of {ring_len} slots is not whole blocks")
+                       None if ring_len % block_size == 0 else f"ring of {ring_len} slots is not whole blocks",
+                       None if pos is not None or max_seqlen else "neither host positions nor max_seqlen")
     if why:
         return fallback("decode_sparse_attn", why, q, positions, pos, win, win_table, ring_len, window, cmp,
-                        cmp_table, cmp_ratio, topk_idx, sinks, scale, block_size)
+                        cmp_table, cmp_ratio, topk_idx, sinks, scale, block_size, max_seqlen)
     dev, bs, i32 = q.device, block_size, torch.int32
-    S2 = max(pos) + 1
+    S2 = max(pos) + 1 if pos is not None else max_seqlen
     n_ring = ring_len // bs
     logical = torch.arange(S2 // bs + (S2 % bs > 0), device=dev) % n_ring
     ori_bt = win_table.gather(1, logical.expand(B, -1)).to(i32).contiguous()
@@ -107,7 +109,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
 
 
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table: torch.Tensor, block_size: int,
-                        positions: torch.Tensor, pos: list[int], ratio: int, topk: int, scale: float) -> torch.Tensor:
+                        positions: torch.Tensor, pos: list[int] | None, ratio: int, topk: int, scale: float,
+                        max_seqlen: int | None = None) -> torch.Tensor:
     """``reference.decode_indexer_topk`` via ``torch_npu.npu_dynamic_quant`` +
     ``torch.ops.custom.npu_quant_lightning_indexer`` (tiled by ``npu_quant_lightning_indexer_metadata``), B sequences of one query
     each over the stored int8 keys (PA_BSND, read in place) with each row's block table.
@@ -116,15 +119,18 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_tabl
     int64, ascending, -1 last.
 
     Falls back to the reference for: keys not int8 (``cache_indexer_topk``'s reasons), q not
-    bfloat16 / float16, not on an NPU, no rows, no row with a closed window, h x dI != 64 x 128,
+    bfloat16 / float16, not on an NPU, no rows, no row with a closed window (known from ``pos``; a
+    captured step passes ``max_seqlen`` and the kernel pads such rows with -1), h x dI != 64 x 128,
     topk outside 1..2048, a ratio not a power of two up to 128, a block size outside 16..1024.
     """
     B, h, dI = q.shape
+    S2 = max(pos) + 1 if pos is not None and B else max_seqlen
     why = first_reason(lightning_indexer_why(q, keys, topk, ratio, block_size, "no rows"),
-                       None if B and (max(pos) + 1) // ratio > 0 else "no closed window")
+                       "neither host positions nor max_seqlen" if not S2 else None,
+                       None if pos is None or (B and S2 // ratio > 0) else "no closed window")
     if why:
         return fallback("decode_indexer_topk", why, q, weights, keys, block_table, block_size, positions, pos,
-                        ratio, topk, scale)
+                        ratio, topk, scale, max_seqlen)
     dev, i32, bs = q.device, torch.int32, block_size
     nb = keys.num_rows // bs
     k = keys.parts[0][:nb * bs].view(nb, bs, 1, dI)
@@ -136,7 +142,7 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_tabl
     custom = custom_namespace()
     meta = custom.npu_quant_lightning_indexer_metadata(
         h, 1, dI, 0, 0, actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k, batch_size=B,
-        max_seqlen_q=1, max_seqlen_k=max(pos) + 1, device=str(dev), **modes)
+        max_seqlen_q=1, max_seqlen_k=S2, device=str(dev), **modes)
     out = custom.npu_quant_lightning_indexer(
         qq, k, (weights.float() * scale).to(torch.float16).contiguous(), qs.to(torch.float16).contiguous(), ks, 0, 0,
         actual_seq_lengths_query=seq_q, actual_seq_lengths_key=seq_k, block_table=_table(block_table, nb),

@@ -12,6 +12,12 @@ before its first entry) are reduced in separate groups, since a longer reduction
 differently. The grouping uses ``pos`` (the positions on the host, which the scheduler has), so
 the reference needs no host sync to find it.
 
+A captured step has no host positions: with ``pos=None`` each op runs one masked group over every
+entry the block table can hold (the step's context bucket: O(context)), a fixed shape for any
+positions, and ``max_seqlen`` (the bucket) bounds every row's position + 1 for the kernels'
+tiling. Same math; a row's softmax then spans the masked entries too (exp(-inf) = 0 terms), so it
+can differ from the grouped path in the last bits (tokens held equal by ``test_graph_decode.py``).
+
 Letters as in ``engine.ops.reference``; B rows, W window, bs block size.
 """
 from __future__ import annotations
@@ -48,8 +54,8 @@ def window_rows(win_table: torch.Tensor, positions: torch.Tensor, ring_len: int,
 
 
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows, block_table: torch.Tensor,
-                        block_size: int, positions: torch.Tensor, pos: list[int], ratio: int, topk: int,
-                        scale: float) -> torch.Tensor:
+                        block_size: int, positions: torch.Tensor, pos: list[int] | None, ratio: int, topk: int,
+                        scale: float, max_seqlen: int | None = None) -> torch.Tensor:
     """Lightning-indexer top-k (§3.5) for one query per row over each row's stored keys
     (``cache_indexer_topk`` of each row alone).
 
@@ -57,12 +63,20 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows,
         q: ``[B, h, dI]`` roped indexer queries (compute dtype); weights: ``[B, h]`` fp32 (already
             * h^-0.5); keys: the indexer pool (``CacheRows``); block_table: ``[B, n_blocks]``
             int64 (padding past a row's blocks is never read); block_size: entries per block;
-            positions: ``[B]`` int64 and ``pos`` the same on the host; the row at position p
+            positions: ``[B]`` int64 and ``pos`` the same on the host (None: no host positions,
+            one masked group; ``max_seqlen`` then bounds position + 1); the row at position p
             sees entries ``i < (p+1) // ratio``.
     Returns:
         ``[B, topk]`` int64 entry ids (row-local), ascending; ``-1`` pads rows with fewer candidates.
     """
     from engine.ops.cache_codec import quant_query
+    if pos is None:                     # every entry the table holds, masked to the causal ones
+        N = block_table.shape[1] * block_size
+        idx = torch.arange(N, device=q.device)
+        k = keys.read(table_rows(block_table, block_size, idx.expand(q.shape[0], N))).float()
+        s = weighted_relu_sum(torch.einsum("bhd,bnd->bhn", quant_query(keys.codec, q).float(), k), weights, scale)
+        allowed = idx[None] < ((positions + 1) // ratio)[:, None]
+        return topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, topk)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     for n, g in groups([(p + 1) // ratio for p in pos]):
         if n == 0:
@@ -75,10 +89,10 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows,
     return out
 
 
-def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int], win: CacheRows,
+def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] | None, win: CacheRows,
                        win_table: torch.Tensor, ring_len: int, window: int, cmp: CacheRows | None,
                        cmp_table: torch.Tensor | None, cmp_ratio: int, topk_idx: torch.Tensor | None,
-                       sinks: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+                       sinks: torch.Tensor, scale: float, block_size: int, max_seqlen: int | None = None) -> torch.Tensor:
     """Shared-KV attention with sink (§3.3 steps 4-6) for one query per row over each row's stored
     window ring and compressed entries (``cache_sparse_attn`` of each row alone).
 
@@ -87,7 +101,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
     ``(p+1) // cmp_ratio`` closed entries, all of them (HCA) or the indexer's picks (CSA).
 
     Args:
-        q: ``[B, h, d]`` (roped); positions ``[B]`` int64 and ``pos`` the same on the host;
+        q: ``[B, h, d]`` (roped); positions ``[B]`` int64 and ``pos`` the same on the host (None:
+            one masked group over every entry of ``cmp_table``; ``max_seqlen`` bounds position + 1);
         win: the window pool; win_table: ``[B, ring_len / bs]`` int64 ring blocks per row;
         cmp: the entry pool or None (window-only layers, or no row holds an entry yet; then
             cmp_table / topk_idx are None);
@@ -99,6 +114,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
     B, h, d = q.shape
     rows, valid = window_rows(win_table, positions, ring_len, window, block_size)
     wk = win.read(rows).float().masked_fill(~valid[..., None], 0.0)                  # [B, W, d]
+    if pos is None:
+        return _masked_attn(q, positions, wk, valid, cmp, cmp_table, cmp_ratio, topk_idx, sinks, scale, block_size)
     if cmp is None:
         keys = [0] * B
     elif topk_idx is not None:
@@ -127,3 +144,29 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int],
             og = og + row_mix(probs[..., window:-1], ck)
         o[g] = og.to(q.dtype)
     return o
+
+
+def _masked_attn(q, positions, wk, valid, cmp, cmp_table, cmp_ratio, topk_idx, sinks, scale, bs):
+    """``decode_sparse_attn`` without host positions: one group of all B rows, HCA over every
+    entry ``cmp_table`` holds masked to the row's closed ones, CSA over the picks masked to -1."""
+    B, h, _ = q.shape
+    qf = q.float()
+    scores = [torch.einsum("bhd,bwd->bhw", qf, wk).mul(scale).masked_fill(~valid[:, None], float("-inf"))]
+    ck = None
+    if cmp is not None and cmp_table is not None and topk_idx is not None:      # CSA: the indexer's picks
+        ck = cmp.read(table_rows(cmp_table, bs, topk_idx.clamp_min(0))).float()            # [B, k, d]
+        s = torch.einsum("bhd,bkd->bhk", qf, ck).mul(scale)
+        scores.append(s.masked_fill((topk_idx < 0)[:, None], float("-inf")))
+    elif cmp is not None and cmp_table is not None:                             # HCA: the closed entries
+        N = cmp_table.shape[1] * bs
+        idx = torch.arange(N, device=q.device)
+        ck = cmp.read(table_rows(cmp_table, bs, idx.expand(B, N))).float()                 # [B, N, d]
+        seen = idx[None] < ((positions + 1) // cmp_ratio)[:, None]
+        scores.append(torch.einsum("bhd,bnd->bhn", qf, ck).mul(scale).masked_fill(~seen[:, None], float("-inf")))
+    W = wk.shape[1]
+    logits = torch.cat(scores + [sinks.float().view(1, h, 1).expand(B, h, 1)], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)
+    o = torch.einsum("bhw,bwd->bhd", probs[..., :W], wk)
+    if ck is not None:
+        o = o + torch.einsum("bhn,bnd->bhd", probs[..., W:-1], ck)
+    return o.to(q.dtype)

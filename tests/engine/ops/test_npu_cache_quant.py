@@ -115,6 +115,17 @@ def test_indexer_fp8_zero_row_stores_the_goldens_bytes(twin):
     assert torch.equal(codec.decode(rows.gather(torch.tensor([0]))), torch.zeros(1, 128, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("codec", [CacheCodec("none", 512, torch.bfloat16, rope_dim=64),
+                                   CacheCodec("none", 128, torch.float16, indexer=True)])
+def test_unquantised_write_is_one_scatter_of_the_rows_as_they_are(twin, caplog, codec):
+    g = torch.Generator().manual_seed(4)
+    rows = CacheRows.zeros(codec, 7, "cpu")
+    x, idx = torch.randn(3, codec.dim, generator=g).to(codec.dtype), torch.tensor([6, 0, 3])
+    cq.cache_write(rows, idx, x)
+    assert twin.calls == [("scatter_nd_update_asc", codec.dtype, (7, codec.dim), (3, codec.dim))]
+    assert torch.equal(rows.parts[0][idx], x) and _reasons(caplog) == []
+
+
 def test_indexer_int8_write_runs_dynamic_quant_and_two_scatters(twin, caplog):
     g = torch.Generator().manual_seed(2)
     codec = CacheCodec("int8", 128, torch.float16, indexer=True)
@@ -131,15 +142,15 @@ def test_indexer_int8_write_runs_dynamic_quant_and_two_scatters(twin, caplog):
 
 
 @pytest.mark.parametrize("codec,dt,reason", [
-    (CacheCodec("none", 512, torch.bfloat16, rope_dim=64), torch.bfloat16, "kv none cache: no documented"),
+    (CacheCodec("none", 256, torch.bfloat16, rope_dim=64), torch.bfloat16, "kv none d 256, scatter takes"),
+    (CacheCodec("none", 512, torch.float32, rope_dim=64), torch.float32, "x dtype float32"),
     (CacheCodec("hif8", 512, torch.bfloat16, rope_dim=64), torch.bfloat16, "kv hif8 cache: no documented"),
-    (CacheCodec("none", 128, torch.bfloat16, indexer=True), torch.bfloat16, "indexer none cache: no documented"),
     (CacheCodec("hif8", 128, torch.bfloat16, indexer=True), torch.bfloat16, "indexer hif8 cache: no documented"),
     (CacheCodec("fp8", 512, torch.float16, rope_dim=64), torch.float16, "x dtype float16, kernel path takes bfloat16"),
     (CacheCodec("fp8", 256, torch.bfloat16, rope_dim=64), torch.bfloat16, "kv row d=256 rope=64 (384 B)"),
     (CacheCodec("fp8", 512, torch.bfloat16, rope_dim=32), torch.bfloat16, "kv row d=512 rope=32"),
     (CacheCodec("fp8", 256, torch.bfloat16, indexer=True), torch.bfloat16, "indexer d 256, pool keeps one scale"),
-    (CacheCodec("int8", 64, torch.bfloat16, indexer=True), torch.bfloat16, "indexer d 64, scatter takes"),
+    (CacheCodec("int8", 64, torch.bfloat16, indexer=True), torch.bfloat16, "indexer int8 d 64, scatter takes"),
     (CacheCodec("int8", 128, torch.float32, indexer=True), torch.float32, "x dtype float32"),
 ])
 def test_write_outside_the_contracts_falls_back_naming_the_reason(twin, caplog, codec, dt, reason):
