@@ -38,6 +38,8 @@ EXPECTED = {
                          "torch_npu.npu_grouped_matmul", "torch_npu.npu_moe_finalize_routing",
                          "torch_npu.npu_moe_init_routing_v2"],
     "quant_linear": ["torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"],
+    "quant_linear_wide": ["torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"],
+    "grouped_linear_wide": ["torch_npu.npu_transpose_batchmatmul"],
     "cache_write_kv_fp8": ["custom.kv_compress_epilog"],
     "cache_write_indexer_fp8": ["custom.indexer_compress_epilog"],
     "cache_write_indexer_int8": ["custom.scatter_nd_update_asc", "torch_npu.npu_dynamic_quant"],
@@ -48,11 +50,12 @@ EXPECTED = {
     "decode_sparse_attn_hca": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_window": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_no_entry_yet": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_sparse_attn_captured": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                             "torch_npu.npu_dynamic_quant"],
 }
 PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window", "decode_sparse_attn", "decode_sparse_attn_hca",
-               "decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet"}                           # zeros: shape / dtype only
+               "decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet", "decode_sparse_attn_captured"}                           # zeros: shape / dtype only
 DECODE_POS = [600, 601, 130]          # three decode rows (B = 3), blocks of 16, a ring of 256 slots
 
 
@@ -107,6 +110,10 @@ def _cases() -> dict[str, tuple[str, tuple]]:
         "moe_experts_w8a8": ("moe_experts", (rnd(T, 64), gid, gw, int8(8, 32, 64), int8(8, 32, 64), int8(8, 64, 32),
                                              10.0, "int8-token")),
         "quant_linear": ("quant_linear", (rnd(T, 64), int8(32, 64), "int8-token")),
+        # Pro's wq_b: 65,536 output rows, past the kernel's 65,535 (two slices of n)
+        "quant_linear_wide": ("quant_linear", (rnd(T, 64), int8(65536, 64), "int8-token")),
+        # Pro's wo_a: 16 groups of K = 4096, K * G = 65,536 (two calls of 8 groups)
+        "grouped_linear_wide": ("grouped_linear", (rnd(T, 16, 4096, s=0.1), rnd(16 * 16, 4096, s=0.02))),
         "cache_write_kv_fp8": ("cache_write", (pool("fp8", 512, False), torch.tensor([7, 0, 3]), rnd(3, 512))),
         "cache_write_indexer_fp8": ("cache_write", (pool("fp8", 128, True), torch.tensor([7, 0, 3]), rnd(3, 128))),
         "cache_write_indexer_int8": ("cache_write", (pool("int8", 128, True), torch.tensor([7, 0, 3]),
@@ -154,6 +161,9 @@ def _decode_cases(rnd, pool) -> dict[str, tuple[str, tuple]]:
         "decode_sparse_attn_no_entry_yet": ("decode_sparse_attn", (q[:2], torch.tensor([5, 40]), [5, 40], win,
                                                                    win_table[:2], ring, 128, hca, None, 128, None,
                                                                    sinks, 0.04, bs)),
+        # a captured step: no host positions, the context bucket (1024) bounds the tiling
+        "decode_sparse_attn_captured": ("decode_sparse_attn", (q, pos, None, win, win_table, ring, 128, csa,
+                                                               csa_table, 4, topk, sinks, 0.04, bs, 1024)),
         # weights exact in fp16, scale 1: the kernel's fp16 weights score as the reference does
         "decode_indexer_topk": ("decode_indexer_topk", (rnd(B, 64, 128),
                                                         torch.randint(-8, 9, (B, 64), generator=g) / 64, keys,
@@ -197,6 +207,8 @@ def child_report() -> dict:
             out, want = tuple(args[0].parts), tuple(ref_args[0].parts)
         rep["cases"][name] = {"apis": sorted({c.api for c in rt.calls[n_calls:]}), "fallbacks": rt.fallbacks[n_fb:],
                               "shapes": {c.api: {k: list(v[0]) for k, v in c.tensors.items()} for c in rt.calls[n_calls:]},
+                              "counts": {a: sum(c.api == a for c in rt.calls[n_calls:])
+                                         for a in {c.api for c in rt.calls[n_calls:]}},
                               "got": _describe(out), "want": _describe(want),
                               "close": None if name in PLACEHOLDER else _close(out, want)}
     n_calls = len(rt.calls)
@@ -249,8 +261,20 @@ def test_decode_rows_are_one_kernel_call_of_b_sequences(report):
     assert csa["cmp_sparse_indices"] == [B, 1, 512] and csa["cmp_block_table"] == [B, 10]
     for name in ("decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet"):
         assert "cmp_kv" not in report["cases"][name]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    cap = report["cases"]["decode_sparse_attn_captured"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    assert cap["ori_block_table"] == [B, 1024 // 16] and cap["seqused_kv"] == [B]   # the bucket's blocks
     li = report["cases"]["decode_indexer_topk"]["shapes"]["custom.npu_quant_lightning_indexer"]
     assert li["query"] == [B, 64, 128] and li["block_table"] == [B, 3] and li["actual_seq_lengths_key"] == [B]
+
+
+def test_weights_past_the_kernels_dim_caps_split_instead_of_falling_back(report):
+    wide = report["cases"]["quant_linear_wide"]
+    assert wide["counts"] == {"torch_npu.npu_dynamic_quant": 1, "torch_npu.npu_quant_matmul": 2}
+    assert wide["shapes"]["torch_npu.npu_quant_matmul"]["x2"] == [64, 32768]
+    grouped = report["cases"]["grouped_linear_wide"]
+    assert grouped["counts"] == {"torch_npu.npu_transpose_batchmatmul": 2}
+    assert grouped["shapes"]["torch_npu.npu_transpose_batchmatmul"]["weight"] == [8, 4096, 16]
+    assert wide["close"] is True and grouped["close"] is True
 
 
 def test_the_cases_reach_every_api(report):

@@ -6,6 +6,8 @@ import torch
 from engine.ops.packed import Packed
 from engine.ops.npu.runtime import HALF, device_why, dtype_why, fallback, first_reason, torch_npu_module
 
+_DIM_CAP = 65536          # npu_quant_matmul / npu_transpose_batchmatmul: dims (and K * groups) below it
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm via ``torch_npu.npu_rms_norm(self, gamma, epsilon=1e-06) -> (y, rstd)`` (output 0).
@@ -80,8 +82,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (``perm_x1=(1, 0, 2), perm_y=(1, 0, 2)``, weight ``[G, K, N]``). Here M = T and B = G, and the
     seam's ``[G*N, K]`` weight is passed as the transposed view ``[G, K, N]``. No FP8 (§5 row 10).
 
-    Falls back to the reference for: a ``Packed`` (quantised) weight, x not bf16/fp16, not on an NPU, no rows, or K/N/G outside
-    the limits above.
+    Past ``K * G < 65536`` (Pro: 16 groups of K = 4096) the groups go in calls of as many as fit,
+    joined along the group axis: the groups are independent, so the result is the same.
+
+    Falls back to the reference for: a ``Packed`` (quantised) weight, x not bf16/fp16, not on an
+    NPU, no rows, K or N not multiples of 16, or K / N at 65536 or more.
     """
     T, G, K = x.shape
     N = weight.shape[0] // G if G else 0
@@ -90,12 +95,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                  None if T > 0 else "no rows",
                  None if G * N == weight.shape[0] and weight.shape[-1] == K else "weight is not [G*N, K]",
                  None if K % 16 == 0 and N % 16 == 0 else "K or N not a multiple of 16",
-                 None if K * G < 65536 and N < 65536 and G < 65536 else "K*G, N or G >= 65536")
+                 None if K < 65536 and N < 65536 else "K or N >= 65536")
     if why:
         return fallback("grouped_linear", why, x, weight)
     w = weight.to(x.dtype).reshape(G, N, K).transpose(1, 2)            # [G, K, N], a view
-    return torch_npu_module().npu_transpose_batchmatmul(x, w, perm_x1=[1, 0, 2], perm_x2=[0, 1, 2],
-                                                  perm_y=[1, 0, 2])
+    calls = -(-(K * G) // (_DIM_CAP - 1))
+    step = -(-G // calls)                                              # even calls, K * step < 65536
+    npu = torch_npu_module()
+    outs = [npu.npu_transpose_batchmatmul(x[:, g:g + step], w[g:g + step], perm_x1=[1, 0, 2], perm_x2=[0, 1, 2],
+                                          perm_y=[1, 0, 2]) for g in range(0, G, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 
@@ -111,20 +120,27 @@ def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tens
     output bfloat16 (float16 with a float32 scale). x2 is the stored ``[n, k]`` weight's transposed
     view, as upstream's W8A8 linear passes it (recipe ``compressed_tensors_w8a8_int8.py``).
 
+    The doc caps x1 / x2's last dims at 65535: a weight with n >= 65536 output rows (Pro's
+    ``wq_b``, 128 x 512) runs in slices of n, each with its scale slice, joined along n (the
+    per-token activation quantised once); upstream transposes wq_b there instead.
+
     Falls back to the reference (which dequantises one tile at a time, so memory stays as stored)
     for: other formats (FP8 block, MXFP8, HiF8: the A5 / 950 kernels take scale layouts this
-    wrapper does not set up), x not bf16/fp16, not on an NPU, no rows, or a weight dim of 65536 or
-    more (the doc caps x1 / x2's last dims at 65535; upstream transposes wq_b there).
+    wrapper does not set up), x not bf16/fp16, not on an NPU, no rows, or k >= 65536.
     """
     lead = x.shape[:-1]
     w, fmt = weight.data, weight.fmt
     why = first_reason(None if fmt == "int8" and act == "int8-token" else f"{fmt} weights with {act} activations",
                  dtype_why("x", x, HALF), device_why(x), None if x.numel() else "no rows",
-                 None if max(w.shape) < 65536 else "a weight dim >= 65536 (the kernel takes <= 65535)")
+                 None if w.shape[1] < _DIM_CAP else "an input dim >= 65536 (the kernel takes <= 65535)")
     if why:
         return fallback("quant_linear", why, x, weight, act)
     npu = torch_npu_module()
     xq, xs = npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
     s = weight.scale.reshape(-1).to(torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
-    y = npu.npu_quant_matmul(xq, w.t(), s, pertoken_scale=xs.reshape(-1).float(), output_dtype=x.dtype)
+    ts = xs.reshape(-1).float()
+    step = _DIM_CAP // 2
+    ys = [npu.npu_quant_matmul(xq, w[n:n + step].t(), s[n:n + step], pertoken_scale=ts, output_dtype=x.dtype)
+          for n in range(0, w.shape[0], step)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     return y.view(*lead, w.shape[0])
