@@ -235,11 +235,18 @@ def npu_hc_post(x, residual, post, comb, **_):
     return reference.hc_post(x, residual, post, comb).to(x.dtype)
 
 
-def npu_sparse_attn_sharedkv_metadata(num_heads_kv, has_ori_kv, layout_q, layout_kv, **_):
+def _plan(kw: dict) -> torch.Tensor:
+    """1024 int32 zeros made from a tensor argument (``new_zeros``), so a graph tracer's fake
+    tensors get a fake plan."""
+    t = next(v for v in kw.values() if isinstance(v, torch.Tensor))
+    return t.new_zeros(1024, dtype=torch.int32)
+
+
+def npu_sparse_attn_sharedkv_metadata(num_heads_kv, has_ori_kv, layout_q, layout_kv, **kw):
     """A placeholder: 1024 int32 zeros (the real tensor is the kernel's tiling plan)."""
     need(num_heads_kv == 1 and has_ori_kv and (layout_q, layout_kv) == ("TND", "PA_ND"),
          "npu_sparse_attn_sharedkv_metadata", "one kv head, ori_kv present, TND / PA_ND")
-    return torch.zeros(1024, dtype=torch.int32)
+    return _plan(kw)
 
 
 def npu_sparse_attn_sharedkv(q, ori_kv, cmp_kv, cmp_sparse_indices, ori_block_table, cmp_block_table, cu_seqlens_q,
@@ -358,12 +365,12 @@ def scatter_nd_update_asc(var, indices, update, **_):
 
 
 def npu_quant_lightning_indexer_metadata(num_heads_k, query_quant_mode, key_quant_mode, batch_size, layout_query,
-                                         layout_key, **_):
+                                         layout_key, **kw):
     """A placeholder: 1024 int32 zeros (the real tensor is the kernel's tiling plan)."""
     need((num_heads_k, query_quant_mode, key_quant_mode) == (1, 0, 0) and batch_size >= 1
          and (layout_query, layout_key) == ("TND", "PA_BSND"), "npu_quant_lightning_indexer_metadata",
          "one key head, quant modes 0, batch_size >= 1, TND / PA_BSND")
-    return torch.zeros(1024, dtype=torch.int32)
+    return _plan(kw)
 
 
 def npu_quant_lightning_indexer(query, key, weights, query_dequant_scale, key_dequant_scale, query_quant_mode,

@@ -57,7 +57,8 @@ class DecodeRows:
     def build(cls, cache: "PagedCache", states: list, spans: list[tuple[int, int, int]],
               window: int) -> "DecodeRows | None":
         """The rows of ``spans`` (``(offset, length, start_pos)`` per sequence) with one token whose
-        state is a ``PagedSequenceState`` over ``cache``; None when there are none."""
+        state is over ``cache``: a ``PagedSequenceState``, or a window-only ``PagedLayerState`` (an
+        MTP layer's ring: its table only, no state slot); None when there are none."""
         pick = [j for j, (st, (_, n, _)) in enumerate(zip(states, spans))
                 if n == 1 and getattr(st, "cache", None) is cache]
         if not pick:
@@ -65,6 +66,11 @@ class DecodeRows:
         dev, bs, ring = cache.device, cache.config.block_size, cache.geometry.ring_len
         pos = [spans[j][2] for j in pick]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        if not hasattr(states[pick[0]], "held"):            # window-only layer states
+            win = torch.stack([states[j].win_table for j in pick])
+            return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev),
+                       positions, pos, torch.zeros_like(positions),
+                       slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], {"win": win})
         held = [states[j].held for j in pick]
         win = torch.tensor([h.tables["win"] for h in held], dtype=torch.long, device=dev)
         tables = {"win": win}

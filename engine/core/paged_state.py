@@ -87,8 +87,14 @@ class PagedLayerState:
         st.bs, st.ring, st.window = cache.config.block_size, cache.geometry.ring_len, cache.args.sliding_window
         st.win_pool, st.win_table = pool, win_table
         st.cmp_kv = st.comp = st.idx_kv = st.idx_comp = st.comp_pool = st.idx_comp_pool = None
-        st.num_tokens = num_tokens
+        st.num_tokens, st.cache = num_tokens, cache
         return st
+
+    def decode_context(self, states: list, spans: list[tuple[int, int, int]],
+                       window: int) -> DecodeRows | DecodeSpans | None:
+        """As ``PagedSequenceState.decode_context``, for window-only layer states (``window_only``:
+        an MTP layer's rings), whose spans of up to ``1 + next_n`` rows then attend together."""
+        return DecodeSpans.build(self.cache, states, spans, window, 1 + self.cache.config.next_n)
 
     def ring_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """Flat window-pool rows of token ``positions`` (long) in this request's ring."""

@@ -108,7 +108,10 @@ class MTPBlock(Block):
         e = self.e_proj(self.enorm(emb_next))                                           # [T, H]
         h = self.h_proj(self.hnorm(streams.reshape(T * n, H)).to(self.dtype)).view(T, n, H)
         X = (e.unsqueeze(1) + h).to(streams.dtype)                  # the trunk's residual dtype
-        X = self.forward(X, tokens_next, positions, spans, states, cos, sin)
+        # short spans of paged window states attend together (their decode_context), as the trunk's
+        ctx = next((st for st in states if hasattr(st, "decode_context")), None)
+        dec = ctx.decode_context(states, spans, a.sliding_window) if ctx is not None else None
+        X = self.forward(X, tokens_next, positions, spans, states, cos, sin, dec)
         hid = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return X, self.norm(hid).to(self.dtype)
 

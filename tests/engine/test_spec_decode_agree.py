@@ -165,18 +165,22 @@ def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(
 
 
 def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeypatch):
-    """The verify spans of all requests (1 + next_n rows each) go through the batched decode ops
-    as sub-steps (``DecodeSpans``), and give, id for id and logprob for logprob, what the
-    per-sequence path gives (which the tests above hold to next_n 0's tokens and states)."""
+    """The verify spans of all requests (1 + next_n rows each) and the MTP layer's catch-up and
+    chained drafts go through the batched decode ops (``DecodeSpans`` / ``DecodeRows``), and give,
+    id for id and logprob for logprob, what the per-sequence path gives (which the tests above
+    hold to next_n 0's tokens and states)."""
     from engine.core import batched_decode
     params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=2,
                              ignore_eos=True) for i in range(len(PROMPTS))]
-    spans, build = [], batched_decode.DecodeSpans.build
+    spans, rows, build = [], [], batched_decode.DecodeSpans.build
+    per_sequence = False
 
     def spy(*a, **kw):
-        ctx = build(*a, **kw)
+        ctx = None if per_sequence else build(*a, **kw)
         if isinstance(ctx, batched_decode.DecodeSpans):
             spans.append(max(len(w) for w in ctx.where))
+        elif ctx is not None:
+            rows.append(len(ctx.seq))
         return ctx
 
     monkeypatch.setattr(batched_decode.DecodeSpans, "build", spy)
@@ -190,7 +194,7 @@ def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeyp
 
     batched, eng = run()
     assert spans and max(spans) == len(PROMPTS)          # all requests' spans in one sub-step
+    assert rows and max(rows) == len(PROMPTS)            # e.g. the chained drafts of all requests
     assert eng.spec.stats.num_accepted_tokens > 0
-    monkeypatch.setattr(model, "_batch_decode", False)
-    spans.clear()
-    assert run()[0] == batched and not spans
+    per_sequence = True
+    assert run()[0] == batched
