@@ -162,7 +162,7 @@ def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         rows: B sequences' params, positions and histories.
     Returns:
         ``[B, 3 + 2 * top_n]`` fp32 on the logits' device (top_n: the most alternatives a row asked
-        for): per row the token id, its raw logprob (NaN when the row asked for none), top_n
+        for, at most V): per row the token id, its raw logprob (NaN when the row asked for none), top_n
         alternative ids, their logprobs, and 1.0 where every logit of the row is finite.
     Raises:
         ValueError: V is 2^24 or more (ids would not be exact in fp32).
@@ -186,14 +186,15 @@ def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     cols = [tok.float()[:, None]]
     lp = torch.log_softmax(logits, dim=-1) if sb.logprobs else None
     cols.append(lp.gather(1, tok[:, None]) if lp is not None else torch.full_like(cols[0], float("nan")))
-    if sb.top_n:
+    top_n = min(sb.top_n, V)            # a vocab smaller than the alternatives asked for: all of it
+    if top_n:
         # the top_n by logprob, ties by token id (top-k alone may pick any of the entries tied at
         # the cut): all above the cut value, then the lowest ids at it; sorted by id, then stably
         # by value
-        cut = lp.topk(sb.top_n, dim=-1).values[:, -1:]
+        cut = lp.topk(top_n, dim=-1).values[:, -1:]
         neg_id = -torch.arange(V, dtype=lp.dtype, device=lp.device).expand_as(lp)
         rank = torch.where(lp > cut, float(V), torch.where(lp == cut, neg_id, float("-inf")))
-        ids = rank.topk(sb.top_n, dim=-1).indices.sort(dim=-1).values
+        ids = rank.topk(top_n, dim=-1).indices.sort(dim=-1).values
         vals, order = lp.gather(1, ids).sort(dim=-1, descending=True, stable=True)
         cols += [ids.gather(1, order).float(), vals]
     # a NaN / inf logit makes the row sum non-finite (so would a sum past 3e38, which only a
@@ -211,7 +212,7 @@ def unpack(result: list[list[float]], rows: list[SampleRow]) -> tuple[list[Sampl
         if n is not None:
             res.logprob = v[1]
             top = (len(v) - 3) // 2
-            res.top_logprobs = [(int(v[2 + j]), v[2 + top + j]) for j in range(n)]
+            res.top_logprobs = [(int(v[2 + j]), v[2 + top + j]) for j in range(min(n, top))]
         out.append(res)
         finite.append(v[-1] == 1.0)
     return out, finite

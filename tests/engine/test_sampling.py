@@ -149,6 +149,12 @@ def test_one_small_result_per_step_and_non_finite_rows_flagged():
         sample_device(torch.zeros(1, 1 << 24), [_row(SamplingParams())])
 
 
+def test_more_alternatives_than_the_vocab_returns_the_whole_vocab():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    res = sample(logits, [_row(SamplingParams(temperature=0, logprobs=20))])[0]
+    assert [t for t, _ in res.top_logprobs] == [1, 2, 0]
+
+
 def test_top_logprobs_ties_by_token_id():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]])
     res = sample(logits, [_row(SamplingParams(temperature=0, logprobs=4))])[0]
