@@ -31,9 +31,11 @@ What each stub returns (shapes and dtypes as documented; see ``bench.npu_stub_ke
   ops 1024 int32 zeros.
 
 Limits: a contract stub, not numerics. Real values round like the reference's fp32 maths, not like
-the kernels (accumulation order, fp32 softplus, tie order); nothing here measures time. Eager runs
-only: a traced or captured graph would bake the Python stubs in (fallbacks are not observed while
-compiling). CPU tensors only ("cpu" is added to ``NPU_DEVICE_TYPES``; CUDA tensors still fall
+the kernels (accumulation order, fp32 softplus, tie order); nothing here measures time. A graph
+tracer sees the ``custom.*`` ops through fake impls (the stub kernel run on zeros of the traced
+shapes: its contract checks hold, outputs keep their shapes and dtypes), so a traced step counts
+its own graph breaks; the ``torch_npu.*`` stubs are plain functions, whose breaks the census counts
+apart. A compiled graph would bake the Python stubs in: fallbacks are not observed while compiling. CPU tensors only ("cpu" is added to ``NPU_DEVICE_TYPES``; CUDA tensors still fall
 back). Modes of a kernel that no wrapper uses raise ``NotImplementedError``. Nothing on the
 wrappers' kernel path reaches ``torch.npu``, streams or NPU tensor formats: the only device-derived
 value is ``str(q.device)`` given to the metadata ops' ``device`` argument, which the stubs ignore;
@@ -240,6 +242,22 @@ def kernels(prefix: str) -> types.SimpleNamespace:
                                     for api, s in SCHEMAS.items() if api.startswith(prefix + ".")})
 
 
+def _fake(stub: "StubKernel") -> Callable:
+    """A tracer's impl of a stub kernel: the kernel itself on real zeros of the traced tensors'
+    shapes and dtypes (its contract checks run; values are not the point), the outputs handed back
+    as fresh traced tensors of the same shapes and dtypes; in-place kernels return nothing."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._pytree import tree_map
+
+    def impl(*args, **kwargs):
+        def real(t):
+            return torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+        with unset_fake_temporarily():
+            out = stub.impl(**stub.bind(tree_map(real, args), tree_map(real, kwargs)))
+        return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t, out)
+    return impl
+
+
 def _registered(name: str) -> bool:
     try:                                # the namespace lookup raises when the op is not registered
         getattr(torch.ops.custom, name)
@@ -264,6 +282,7 @@ def _custom_ops_module() -> types.ModuleType:
         for name, stub in stubs.items():
             lib.define(SCHEMAS[f"custom.{name}"])
             lib.impl(name, stub, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"custom::{name}", _fake(stub), lib=lib)
         _LIBS.append(lib)
     mod = types.ModuleType("custom_ops", "bench.npu_stub: cann-recipes-infer custom_ops, stub (torch.ops.custom)")
     mod.__npu_stub__ = True
