@@ -149,6 +149,8 @@ def _draw(work: torch.Tensor, sb: SampleBatch) -> torch.Tensor:
         # keep tokens until the kept mass reaches top_p of the row's total: the last cumsum entry,
         # which (unlike a parallel sum) comes out the same for any batch
         keep = (cum - sp) < sb.top_p[:, None] * cum[:, -1:]
+        keep[:, 0] = True               # the most likely token always (vLLM's): a top_p that
+        # underflows against the total in fp32 (below ~1e-38) would otherwise mask every token
         probs = torch.where(torch.zeros_like(keep).scatter(1, order, keep), probs, zero)
     probs = torch.where(probs >= sb.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, probs, zero)
     return probs.div_(exponential_noise(sb.key, probs.shape[-1])).argmax(dim=-1)

@@ -40,6 +40,7 @@ EXPECTED = {
     "quant_linear": ["torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"],
     "quant_linear_wide": ["torch_npu.npu_dynamic_quant", "torch_npu.npu_quant_matmul"],
     "grouped_linear_wide": ["torch_npu.npu_transpose_batchmatmul"],
+    "grouped_linear_15x8192": ["torch_npu.npu_transpose_batchmatmul"],
     "cache_write_kv_fp8": ["custom.kv_compress_epilog"],
     "cache_write_indexer_fp8": ["custom.indexer_compress_epilog"],
     "cache_write_indexer_int8": ["custom.scatter_nd_update_asc", "torch_npu.npu_dynamic_quant"],
@@ -114,6 +115,8 @@ def _cases() -> dict[str, tuple[str, tuple]]:
         "quant_linear_wide": ("quant_linear", (rnd(T, 64), int8(65536, 64), "int8-token")),
         # Pro's wo_a: 16 groups of K = 4096, K * G = 65,536 (two calls of 8 groups)
         "grouped_linear_wide": ("grouped_linear", (rnd(T, 16, 4096, s=0.1), rnd(16 * 16, 4096, s=0.02))),
+        # 7 groups of K = 8192 fit a call: 15 groups go in 3 calls of 5 (2 of 8 would break the cap)
+        "grouped_linear_15x8192": ("grouped_linear", (rnd(T, 15, 8192, s=0.1), rnd(15 * 16, 8192, s=0.02))),
         "cache_write_kv_fp8": ("cache_write", (pool("fp8", 512, False), torch.tensor([7, 0, 3]), rnd(3, 512))),
         "cache_write_indexer_fp8": ("cache_write", (pool("fp8", 128, True), torch.tensor([7, 0, 3]), rnd(3, 128))),
         "cache_write_indexer_int8": ("cache_write", (pool("int8", 128, True), torch.tensor([7, 0, 3]),
@@ -274,7 +277,9 @@ def test_weights_past_the_kernels_dim_caps_split_instead_of_falling_back(report)
     grouped = report["cases"]["grouped_linear_wide"]
     assert grouped["counts"] == {"torch_npu.npu_transpose_batchmatmul": 2}
     assert grouped["shapes"]["torch_npu.npu_transpose_batchmatmul"]["weight"] == [8, 4096, 16]
-    assert wide["close"] is True and grouped["close"] is True
+    odd = report["cases"]["grouped_linear_15x8192"]
+    assert odd["counts"] == {"torch_npu.npu_transpose_batchmatmul": 3} and odd["fallbacks"] == []
+    assert wide["close"] is True and grouped["close"] is True and odd["close"] is True
 
 
 def test_the_cases_reach_every_api(report):

@@ -155,6 +155,12 @@ def test_more_alternatives_than_the_vocab_returns_the_whole_vocab():
     assert [t for t, _ in res.top_logprobs] == [1, 2, 0]
 
 
+def test_a_top_p_below_fp32_range_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
+    for seed in range(10):
+        assert sample(logits, [_row(SamplingParams(top_p=1e-46, seed=seed), position=seed)])[0].token_id == 2
+
+
 def test_top_logprobs_ties_by_token_id():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 2.0]])
     res = sample(logits, [_row(SamplingParams(temperature=0, logprobs=4))])[0]

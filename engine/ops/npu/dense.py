@@ -99,7 +99,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if why:
         return fallback("grouped_linear", why, x, weight)
     w = weight.to(x.dtype).reshape(G, N, K).transpose(1, 2)            # [G, K, N], a view
-    calls = -(-(K * G) // (_DIM_CAP - 1))
+    calls = -(-G // ((_DIM_CAP - 1) // K))                            # at most 65535 // K groups a call
     step = -(-G // calls)                                              # even calls, K * step < 65536
     npu = torch_npu_module()
     outs = [npu.npu_transpose_batchmatmul(x[:, g:g + step], w[g:g + step], perm_x1=[1, 0, 2], perm_x2=[0, 1, 2],
