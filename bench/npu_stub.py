@@ -242,14 +242,26 @@ def kernels(prefix: str) -> types.SimpleNamespace:
                                     for api, s in SCHEMAS.items() if api.startswith(prefix + ".")})
 
 
-def _fake(stub: "StubKernel") -> Callable:
+# the kernels whose contracts check values (cu_seqlens prefix sums): their outputs' shapes
+_FAKE_SHAPES: dict[str, Callable] = {
+    "npu_sparse_attn_sharedkv": lambda a: (torch.empty_like(a["q"]), torch.empty(0)),
+    "npu_quant_lightning_indexer": lambda a: (
+        torch.empty(a["query"].shape[0], 1, a["sparse_count"], dtype=torch.int32), torch.empty(0)),
+}
+
+
+def _fake(name: str, stub: "StubKernel") -> Callable:
     """A tracer's impl of a stub kernel: the kernel itself on real zeros of the traced tensors'
     shapes and dtypes (its contract checks run; values are not the point), the outputs handed back
-    as fresh traced tensors of the same shapes and dtypes; in-place kernels return nothing."""
+    as fresh traced tensors of the same shapes and dtypes; in-place kernels return nothing. The
+    kernels whose checks read values (``_FAKE_SHAPES``) give their documented output shapes."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.utils._pytree import tree_map
 
     def impl(*args, **kwargs):
+        if name in _FAKE_SHAPES:
+            return _FAKE_SHAPES[name](stub.bind(args, kwargs))
+
         def real(t):
             return torch.zeros(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t
         with unset_fake_temporarily():
@@ -282,7 +294,7 @@ def _custom_ops_module() -> types.ModuleType:
         for name, stub in stubs.items():
             lib.define(SCHEMAS[f"custom.{name}"])
             lib.impl(name, stub, "CompositeExplicitAutograd")
-            torch.library.register_fake(f"custom::{name}", _fake(stub), lib=lib)
+            torch.library.register_fake(f"custom::{name}", _fake(name, stub), lib=lib)
         _LIBS.append(lib)
     mod = types.ModuleType("custom_ops", "bench.npu_stub: cann-recipes-infer custom_ops, stub (torch.ops.custom)")
     mod.__npu_stub__ = True
