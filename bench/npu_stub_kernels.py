@@ -236,10 +236,8 @@ def npu_hc_post(x, residual, post, comb, **_):
 
 
 def _plan(kw: dict) -> torch.Tensor:
-    """1024 int32 zeros made from a tensor argument (``new_zeros``), so a graph tracer's fake
-    tensors get a fake plan."""
-    t = next(v for v in kw.values() if isinstance(v, torch.Tensor))
-    return t.new_zeros(1024, dtype=torch.int32)
+    """1024 int32 zeros made from a tensor argument: a tracer's fake tensors get a fake plan."""
+    return next(v for v in kw.values() if isinstance(v, torch.Tensor)).new_zeros(1024, dtype=torch.int32)
 
 
 def npu_sparse_attn_sharedkv_metadata(num_heads_kv, has_ori_kv, layout_q, layout_kv, **kw):

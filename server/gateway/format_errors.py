@@ -108,11 +108,15 @@ def image_part(body: dict[str, Any]) -> str | None:
     """Path of the first content part that is not text (an image, a file / document, audio) in the
     body's messages / input, tool results included, or None: DeepSeek-V4 is a text model, and the
     recipe's V4 encoding would put placeholder text ("[Unsupported Image]") where it was."""
+    def not_text(part: dict) -> bool:          # a "type" of any JSON value: only strings name a kind
+        t = part.get("type")
+        return isinstance(t, str) and t in _NOT_TEXT
+
     def walk(parts: Any, path: str) -> str | None:
         for j, p in enumerate(parts if isinstance(parts, list) else ()):
             if not isinstance(p, dict):
                 continue
-            if p.get("type") in _NOT_TEXT:
+            if not_text(p):
                 return f"{path}[{j}]"
             inner = walk(p.get("content"), f"{path}[{j}].content")      # a tool result's own parts
             if inner:
@@ -122,8 +126,8 @@ def image_part(body: dict[str, Any]) -> str | None:
         items = body.get(f)
         for i, m in enumerate(items if isinstance(items, list) else ()):
             if isinstance(m, dict):
-                found = walk([m] if m.get("type") in _NOT_TEXT else m.get("content"),
-                             f"{f}[{i}]" if m.get("type") in _NOT_TEXT else f"{f}[{i}].content")
+                found = walk([m] if not_text(m) else m.get("content"),
+                             f"{f}[{i}]" if not_text(m) else f"{f}[{i}].content")
                 if found:
                     return found.replace(f"{f}[{i}][0]", f"{f}[{i}]")
     return None

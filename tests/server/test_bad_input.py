@@ -138,6 +138,9 @@ CASES = [
     Case("content-part-unknown-type", CHAT,
          chat(messages=[{"role": "user", "content": [{"type": "hologram", "hologram": "x"}]}]), 400,
          "messages[0].content[0].type"),
+    # a "type" that is not a string (the fuzzer's find: an object was looked up in a set, a 500)
+    Case("content-part-type-object", CHAT,
+         chat(messages=[{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]), 400, "messages[0]"),
     Case("content-part-no-text", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 400,
          "messages[0].content[0].text"),
     Case("prompt-missing", CMPL, {"model": MODEL, "max_tokens": 1}, 400, "prompt"),
