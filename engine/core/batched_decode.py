@@ -66,10 +66,10 @@ class DecodeRows:
         dev, bs, ring = cache.device, cache.config.block_size, cache.geometry.ring_len
         pos = [spans[j][2] for j in pick]
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        rows = torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev)
         if not hasattr(states[pick[0]], "held"):            # window-only layer states
             win = torch.stack([states[j].win_table for j in pick])
-            return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev),
-                       positions, pos, torch.zeros_like(positions),
+            return cls(cache, pick, rows, positions, pos, torch.zeros_like(positions),
                        slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], {"win": win})
         held = [states[j].held for j in pick]
         win = torch.tensor([h.tables["win"] for h in held], dtype=torch.long, device=dev)
@@ -84,8 +84,8 @@ class DecodeRows:
                 for i, h in enumerate(held):
                     t[i, :len(h.tables[p])] = torch.tensor(h.tables[p], dtype=torch.long, device=dev)
                 tables[p] = t
-        return cls(cache, pick, torch.tensor([spans[j][0] for j in pick], dtype=torch.long, device=dev), positions,
-                   pos, torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
+        return cls(cache, pick, rows, positions, pos,
+                   torch.tensor([h.state_slot for h in held], dtype=torch.long, device=dev),
                    slot_mapping(win, bs, (positions % ring)[:, None])[:, 0], tables)
 
 

@@ -59,6 +59,14 @@ class Block(nn.Module):
         return self.ops.hc_post(m, X, post, comb)
 
 
+def decode_context(states: list, spans: list[tuple[int, int, int]], window: int):
+    """The per-step context in which the short spans of paged states (decode rows, MTP verify
+    spans) attend together: the first state's own ``decode_context``, None for states without one
+    (contiguous ones) or when no span has a token."""
+    ctx = next((st for st, (_, n, _) in zip(states, spans) if n >= 1 and hasattr(st, "decode_context")), None)
+    return ctx.decode_context(states, spans, window) if ctx is not None else None
+
+
 def _add_hc_head(module: nn.Module, args: ModelArgs) -> None:
     n = args.hc_mult
     module.hc_head_fn = param((n, n * args.hidden_size), torch.float32)
@@ -108,9 +116,7 @@ class MTPBlock(Block):
         e = self.e_proj(self.enorm(emb_next))                                           # [T, H]
         h = self.h_proj(self.hnorm(streams.reshape(T * n, H)).to(self.dtype)).view(T, n, H)
         X = (e.unsqueeze(1) + h).to(streams.dtype)                  # the trunk's residual dtype
-        # short spans of paged window states attend together (their decode_context), as the trunk's
-        ctx = next((st for st in states if hasattr(st, "decode_context")), None)
-        dec = ctx.decode_context(states, spans, a.sliding_window) if ctx is not None else None
+        dec = decode_context(states, spans, a.sliding_window)          # as the trunk's short spans
         X = self.forward(X, tokens_next, positions, spans, states, cos, sin, dec)
         hid = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
         return X, self.norm(hid).to(self.dtype)
@@ -227,10 +233,7 @@ class Transformer(nn.Module):
         positions = torch.cat(pos) if pos else tokens.new_zeros(0)         # no sequences: an idle DP rank
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         X = self.residual_streams(self.embed_tokens(tokens))
-        dec = None             # single-token rows the states' own context runs together (paged decode)
-        if self._batch_decode:
-            ctx = next((st for st, (_, n, _) in zip(states, spans) if n >= 1 and hasattr(st, "decode_context")), None)
-            dec = ctx.decode_context(states, spans, a.sliding_window) if ctx is not None else None
+        dec = decode_context(states, spans, a.sliding_window) if self._batch_decode else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
                       *(compress if layer.attn.ratio else main), dec)
