@@ -39,16 +39,11 @@ def eos_token_ids(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, ...]:
 
 
 def exec_config(cfg: RunConfig) -> ExecConfig:
-    """The run config's execution keys as an ``ExecConfig``. A multi-rank instance decodes eager
-    (the captured ``StaticDecoder`` step is not parallel yet): a graph ``exe_mode`` with
-    world_size > 1 is logged as a warning and replaced by "eager", as vLLM falls back to eager
-    where CUDA graphs are unsupported."""
+    """The run config's execution keys as an ``ExecConfig``. A multi-rank instance captures its
+    decode step too: every rank runs the same bucket of rows, the step's collectives inside it
+    (``DecodeRunner``'s ``rows_mode``)."""
     m, cp = cfg.model_config, cfg.model_config.custom_params
     mode = m.exe_mode
-    if cfg.parallel_config.world_size > 1 and mode != "eager":
-        log.warning("model_config.exe_mode %r: a multi-rank instance (world_size %d) decodes eager for now",
-                    mode, cfg.parallel_config.world_size)
-        mode = "eager"
     return ExecConfig(exe_mode=mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
                       static_kernel=m.enable_static_kernel, cache_compile=m.enable_cache_compile,
                       compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel)
@@ -131,8 +126,10 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         log.info("model_config.exe_mode %s: with next_n > 0 decode runs eager (the graph step takes one token "
                  "per request)", ex.exe_mode)
     elif graph and ex.graph:
-        engine.runner = DecodeRunner(model, engine.cache, engine.limits.max_model_len, engine.limits.batch_size,
-                                     plat, ex)
+        ex_ = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
+        engine.runner = DecodeRunner(model, ex_.pools, engine.limits.max_model_len,
+                                     engine.limits.batch_size // ex_.dp_size, plat, ex,
+                                     ex_.rows_mode if pc.world_size > 1 else None)
         engine.runner.warmup()
     return engine
 

@@ -18,17 +18,17 @@ CONFIG = "configs/tiny-flash.yaml"
 
 def start_pd(ckpt: str, log, num_prefill: int = 1, num_decode: int = 1, flags: list[str] = (),
              cluster_secret: str | None = None, config: str = CONFIG,
-             instance_args: dict[str, list[str]] | None = None, up=None) -> LocalPD:
+             instance_args: dict[str, list[str]] | None = None, up=None, timeout_s: float = 300) -> LocalPD:
     """A started LocalPD with ``flags`` on every process and ``instance_args`` on the instances
     named ("prefill", "decode1": see ``LocalPD``) (``pd.log``: its log); fails the test with the
-    log's tail if it does not come up (``up``: as ``LocalPD.start``'s)."""
+    log's tail if it does not come up within ``timeout_s`` (``up``: as ``LocalPD.start``'s)."""
     extra = {r: list(flags) for r in ("prefill", "decode", "gateway")}
     for name, args in (instance_args or {}).items():
         extra[name] = extra.get(name, []) + list(args)
     pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, log_path=str(log),
                  cluster_secret=cluster_secret, extra_args=extra)
     try:
-        pd.start(timeout_s=300, up=up)
+        pd.start(timeout_s=timeout_s, up=up)
     except RuntimeError as e:
         pytest.fail(f"{e}\n{log_tail(log, 40)}")
     pd.log = log

@@ -25,13 +25,15 @@ class Executor:
     ``cache``: the pools the engine and its scheduler account with (``PagedCache``; a subclass's
     may be another block manager over them, e.g. attention DP's ``DPCache``). ``dp_size``: the
     attention-DP ranks whose pools ``cache`` schedules; the engine's batch limit is ``dp_size``
-    times the per-rank one.
+    times the per-rank one. ``pools``: the ``PagedCache`` this process holds.
     """
 
     dp_size = 1
+    rows_mode = None            # a multi-rank model's row mode for graph decode (``RankExecutor``)
 
     def __init__(self, model: Transformer, cache: PagedCache):
         self.model, self.cache = model, cache
+        self.pools = cache          # this process's PagedCache (what a graph step writes)
 
     # ---- state pools --------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
@@ -60,6 +62,11 @@ class Executor:
     def forward_mtp(self, streams: torch.Tensor, tokens_next: torch.Tensor, states: list, lengths: list[int]):
         """``Transformer.forward_mtp``: the MTP layer over packed rows -> (streams, hidden)."""
         return self.model.forward_mtp(streams, tokens_next, states, lengths)
+
+    def decode_rows(self, runner, rows: list[tuple[int, int, int, dict]], seq_ids: list) -> torch.Tensor:
+        """Single-token rows through a graph ``runner`` (``DecodeRunner.run``'s rows; ``seq_ids``:
+        whose they are) -> hidden ``[len(rows), H]``; the states advance."""
+        return runner.run(rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``Transformer.logits``: hidden ``[T, H]`` -> ``[T, V]`` fp32."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -86,13 +87,19 @@ class DecodeRunner:
         model, cache: the engine's model and pools. max_model_len: tokens per request.
         max_batch: rows per step at most (the engine's batch size). platform: the device.
         cfg: ``ExecConfig`` with a graph ``exe_mode``.
+        rows_mode: on a multi-rank model (``model.parallel``), the row mode every step runs in
+            ("replicated" or "dp", ``engine.parallel.context``), always with fixed row counts: every
+            rank runs the same bucket, so the step's collectives have fixed shapes and are captured
+            with it. None: a single-rank model.
     Raises:
         PlatformError: a graph backend this machine lacks (torchair for ge_graph on Ascend).
     """
 
     def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, max_batch: int,
-                 platform: Platform, cfg: ExecConfig):
+                 platform: Platform, cfg: ExecConfig, rows_mode: str | None = None):
         self.platform, self.cfg, self.cache = platform, cfg, cache
+        self.parallel = model.parallel if rows_mode is not None else None
+        self.rows_mode = rows_mode
         self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core)
         # CPU replays nothing: one bucket (the batch size) is one compile instead of log2(batch) ones
         self.buckets = [max_batch] if platform.kind == "cpu" else buckets(max_batch)
@@ -114,7 +121,7 @@ class DecodeRunner:
         contexts = self.contexts[:1] if self.platform.kind == "cpu" else list(reversed(self.contexts))
         for B in reversed(self.buckets):       # largest batch and context first: the graphs share one memory pool
             for C in contexts:
-                self._fn(B, C)(*self._inputs([], B, C))
+                self.step([], B, C)
         self.platform.synchronize()
         self.warmup_s = time.perf_counter() - t
         log.info("decode graphs ready: %s, batch buckets %s, context buckets %s, %.1f s", self.backend,
@@ -146,6 +153,10 @@ class DecodeRunner:
             else:
                 self._compiled = _ge_graph(self.static.__call__, cfg)
         return self._compiled
+
+    def _rows(self):
+        """The model's row mode for a step (fixed counts), or nothing on a single rank."""
+        return self.parallel.rows(self.rows_mode, fixed=True) if self.parallel is not None else nullcontext()
 
     def _capture(self, B: int, C: int):
         """A CUDA graph of the step for batch bucket B and context bucket C, replayed over static
@@ -205,7 +216,14 @@ class DecodeRunner:
         Each row's state must already hold room for its position (the scheduler allocates first).
         """
         B, C = self.bucket(len(rows)), self.context_bucket(max(r[1] for r in rows) + 1)
-        return self._fn(B, C)(*self._inputs(rows, B, C))[: len(rows)]
+        return self.step(rows, B, C)[: len(rows)]
+
+    def step(self, rows: list[tuple[int, int, int, dict]], B: int, C: int) -> torch.Tensor:
+        """``run``'s step at batch bucket B and context bucket C chosen by the caller (on several
+        ranks every rank must use the same ones; a rank without rows runs padding) -> hidden
+        ``[B, H]``, the padding rows' after this rank's."""
+        with self._rows():
+            return self._fn(B, C)(*self._inputs(rows, B, C))
 
 
 def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor,
@@ -229,7 +247,8 @@ def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int
         hidden[idx] = executor.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
     held = [cache.seqs[batch.seqs[i].seq_id] for i in one]
     rows = [(ids[offs[i]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(one, held)]
-    hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = runner.run(rows)
+    hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = executor.decode_rows(
+        runner, rows, [batch.seqs[i].seq_id for i in one])
     return hidden
 
 

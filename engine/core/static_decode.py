@@ -36,7 +36,7 @@ CORES_MAIN = (24 - 8, 2 * (24 - 8))
 
 
 def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float,
-                         act: str | None = None) -> torch.Tensor:
+                         act: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Routed experts without host syncs: each of the k slots gathers its rows' expert weights.
 
     Same math as ``reference.moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per
@@ -46,8 +46,9 @@ def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
             ``Packed`` (the B gathered experts' stored bytes are dequantised, ``B * I * H`` elements).
         act: activation quantisation (``reference.moe_experts``).
+        out_dtype: the result's dtype (None: x.dtype); fp32 keeps the sum unrounded.
     Returns:
-        ``[B, H]`` in x.dtype.
+        ``[B, H]`` in ``out_dtype``.
     """
     if act is not None:
         x = reference.act_quant(x, act)
@@ -62,7 +63,7 @@ def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
             h = reference.act_quant(h, act)
         y = torch.bmm(_gathered(w2, e, x.dtype), h.unsqueeze(-1)).squeeze(-1)   # [B, H]
         out += y.float() * weights[:, j:j + 1].float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 def _gathered(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -150,7 +151,8 @@ class StaticDecoder:
         m, a = self.model, self.model.args
         tables = {"win": win_table, "c4": c4_table, "c128": c128_table}
         rope = {k: (cos[positions], sin[positions]) for k, (cos, sin) in self.rope.items()}
-        X = m.residual_streams(F.embedding(tokens, m.embed.weight))
+        emb = m.embed_tokens(tokens) if m.embed_tp is not None else F.embedding(tokens, m.embed.weight)
+        X = m.residual_streams(emb)
         for i, layer in enumerate(m.layers):
             X = self._block(i, layer, X, tokens, positions, slots, tables, *rope[id(m._rope(layer.attn.ratio))])
         h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)
@@ -197,9 +199,7 @@ class StaticDecoder:
         o = ops.decode_sparse_attn(q, positions, None, win, tables["win"], R, W,
                                    c.cmp_kv[i] if table is not None else None, table, att.ratio, topk,
                                    att.attn_sink, att.head_dim ** -0.5, bs, max_seqlen=bound)
-        o = ops.rope(o, cos, -sin)
-        o = ops.grouped_linear(att.wo_a.quant_input(o.reshape(B, att.n_groups, -1)), att.wo_a.stored)
-        return att.wo_b(o.flatten(1))
+        return att.out_proj(ops.rope(o, cos, -sin))              # o_proj TP inside under several ranks
 
     def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
         """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the
@@ -233,18 +233,27 @@ class StaticDecoder:
         comp.ops.cache_write(pool, torch.where(shut, rows, torch.full_like(rows, trash)), entry)
 
     def _moe(self, moe: MoE, x, tokens):
-        """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on."""
+        """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on.
+        Over several ranks (``engine.parallel.moe.ParallelMoE``) the routed experts take its
+        fixed-shape path, with this step's expert function on the rank's shard."""
         weights, ids = moe.gate(x, tokens)
-        e = moe.experts
         with self._side():
             shared = moe.shared_experts(x) if moe.shared_experts is not None else None
+        routed_fixed = getattr(moe, "routed_fixed", None)
+        if routed_fixed is not None:
+            y = routed_fixed(x, ids, weights, lambda xa, i, w: self._experts(moe, xa, i, w, torch.float32))
+            y = y.to(x.dtype)
+        else:
+            y = self._experts(moe, x, ids, weights, x.dtype)
+        self._join(*(() if shared is None else (shared,)))
+        return y if shared is None else y + shared
+
+    def _experts(self, moe: MoE, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
+        """Routed experts of ``moe.experts`` (ids local to them) -> ``[B, H]`` ``out_dtype``."""
+        e = moe.experts
         if self.moe_kernel and x.dtype in (torch.bfloat16, torch.float16) and e.fmt is None and e.w1.dtype == x.dtype \
                 and e.act is None:
             # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
             # that contract it would fall back to reference.moe_experts, which syncs the host
-            y = moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit)
-        else:
-            y = moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act)
-        self._join(*(() if shared is None else (shared,)))
-        return y if shared is None else y + shared
-
+            return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit).to(out_dtype)
+        return moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act, out_dtype)

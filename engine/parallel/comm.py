@@ -57,11 +57,12 @@ def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], g: GroupI
     return _unbytes(out, x)
 
 
-def gather_rows(x: torch.Tensor, g: GroupInfo) -> tuple[torch.Tensor, list[int]]:
-    """x ``[T, ...]`` -> (every rank's rows concatenated in rank order ``[N, ...]``, the counts)."""
+def gather_rows(x: torch.Tensor, g: GroupInfo, c: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """x ``[T, ...]`` -> (every rank's rows concatenated in rank order ``[N, ...]``, the counts).
+    ``c``: the counts when known (``ParallelContext.counts``): no count exchange, a fixed shape."""
     if g.size == 1:
         return x, [x.shape[0]]
-    c = counts(x.shape[0], g)
+    c = c or counts(x.shape[0], g)
     return all_to_all_rows(x.repeat(g.size, *([1] * (x.dim() - 1))), [x.shape[0]] * g.size, c, g), c
 
 

@@ -9,7 +9,9 @@ experts ``[e*E/ep, (e+1)*E/ep)`` and its ``moe_tp_size`` ranks split each expert
 Row modes: ``"replicated"`` (default): every rank runs the SAME token rows (attention replicated,
 as in serving, where the leader's batch is mirrored to every rank); ``"dp"``: every rank runs ITS
 OWN rows (attention data parallel, context-parallel prefill chunks); ranks with no rows still call
-the forward (with zero rows) so that every collective is matched.
+the forward (with zero rows) so that every collective is matched. ``fixed``: every rank runs the
+same number of rows (a decode bucket, padding rows included), so row counts are known without
+asking and every collective has a fixed shape: what a captured decode step needs (no host sync).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class ParallelContext:
     config: ParallelConfig
     groups: dict[str, GroupInfo] = field(default_factory=dict)
     mode: str = "replicated"
+    fixed: bool = False
 
     @property
     def ep_rank(self) -> int:
@@ -64,19 +67,25 @@ class ParallelContext:
     def dp(self) -> bool:
         return self.mode == "dp"
 
+    def counts(self, n: int, g: GroupInfo) -> list[int] | None:
+        """Every rank's row count in group ``g`` when ``fixed`` (``[n] * size``, no communication);
+        None otherwise (the caller asks the group)."""
+        return [n] * g.size if self.fixed else None
+
     @contextlib.contextmanager
-    def rows(self, mode: str):
+    def rows(self, mode: str, fixed: bool = False):
         """Run the enclosed forwards in row ``mode`` ("replicated" or "dp"), then restore.
+        ``fixed``: every rank has this rank's row count (module docstring).
 
         Raises ValueError for another mode. Every rank must use the same mode for a forward.
         """
         if mode not in MODES:
             raise ValueError(f"ParallelContext.rows: mode must be one of {MODES}, got {mode!r}")
-        old, self.mode = self.mode, mode
+        old, self.mode, old_fixed, self.fixed = self.mode, mode, self.fixed, fixed
         try:
             yield self
         finally:
-            self.mode = old
+            self.mode, self.fixed = old, old_fixed
 
 
 def trivial_context(config: ParallelConfig | None = None) -> ParallelContext:

@@ -46,12 +46,23 @@ class RankExecutor(Executor):
     """Any rank of a multi-rank instance: ``Executor`` plus the calls only several ranks make.
 
     ``cp_prefill``: a context-parallel prefill function (``engine.parallel.cp.cp_prefill``), or
-    None where the instance runs none.
+    None where the instance runs none. ``rows_mode``: the row mode of the instance's graph decode
+    steps ("dp" under attention DP, else "replicated"; every rank's must be the same).
     """
 
-    def __init__(self, model, cache, cp_prefill=None):
+    def __init__(self, model, cache, cp_prefill=None, rows_mode: str = "replicated"):
         super().__init__(model, cache)
-        self.cp_prefill = cp_prefill
+        self.cp_prefill, self.rows_mode = cp_prefill, rows_mode
+
+    def decode_graph(self, runner, rows: list, B: int, C: int) -> torch.Tensor:
+        """Every rank: its graph decode rows at the buckets the leader chose (none: padding, still
+        every collective) -> ``[B, H]``; under attention DP every rank's ``[B, H]`` in rank order
+        ``[world * B, H]`` (one all_to_all of fixed counts, outside the captured step)."""
+        h = runner.step(rows, B, C)
+        if self.rows_mode != "dp":
+            return h
+        g = self.model.parallel.groups["moe"]
+        return gather_rows(h, g, [B] * g.size)[0]
 
     def forward_dp(self, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
         """Attention DP, every rank: its own sequences (none: zero rows, still every collective),
@@ -84,8 +95,9 @@ class LeaderExecutor(RankExecutor):
     on_failure = None                     # (reason) -> None: a step failed on some rank
 
     def __init__(self, model, cache, link: LeaderLink, cp_prefill=None, cp_min_tokens: int = 1024, dp: int = 1):
-        super().__init__(model, DPCache(cache, dp) if dp > 1 else cache, cp_prefill)
+        super().__init__(model, DPCache(cache, dp) if dp > 1 else cache, cp_prefill, "dp" if dp > 1 else "replicated")
         self.link, self.dp_size, self.cp_min_tokens = link, dp, cp_min_tokens
+        self.pools = cache
         self.pending: list = []             # pool changes not yet sent: [op, args..., owner rank]
         self.frames: list[bytes] = []
         self.cp_runs = 0
@@ -139,6 +151,24 @@ class LeaderExecutor(RankExecutor):
             if not cp:
                 return self._forward(tokens, states, lengths, layer_hook)
             return self._with_cp(cp, tokens, states, lengths, layer_hook)
+
+    def decode_rows(self, runner, rows: list, seq_ids: list) -> torch.Tensor:
+        """As ``Executor.decode_rows`` over the ranks: under attention DP each row on its owner
+        rank, else every row on every rank; every rank at the same (batch, context) buckets, the
+        largest any rank needs."""
+        with self._failing("decode"):
+            mine = ([[i for i, sid in enumerate(seq_ids) if self.cache.rank_of(sid) == r] for r in range(self.dp_size)]
+                    if self.dp_size > 1 else [list(range(len(rows)))])
+            parts = [[list(rows[i]) for i in m] for m in mine]
+            B = runner.bucket(max(len(p) for p in parts))
+            C = runner.context_bucket(max(r[1] for r in rows) + 1)
+            self._send({"op": "decode", "parts": parts[1:] if self.dp_size > 1 else parts, "B": B, "C": C}, [])
+            h = self.decode_graph(runner, parts[0], B, C)
+            out = h.new_empty(len(rows), h.shape[1])
+            for r, m in enumerate(mine):
+                if m:
+                    out[torch.tensor(m, device=h.device)] = h[r * B:r * B + len(m)]
+            return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._failing("logits"):
@@ -266,9 +296,9 @@ def _offsets(lengths: list[int]) -> list[int]:
     return offs
 
 
-def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0) -> None:
+def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0, runner=None) -> None:
     """A follower's loop: replay the leader's step messages through this rank's ``executor``
-    until ``stop``.
+    (graph decode steps through ``runner``, its engine's ``DecodeRunner``) until ``stop``.
 
     A ValueError from the model is the leader's too (same inputs, raised before any collective):
     logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
@@ -305,6 +335,9 @@ def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0) -> None:
                 p = head["parts"][rank - 1]
                 states = [cache.sequence_state(s, n) for s, n in zip(p["seqs"], p["nums"])]
                 ex.forward_dp(decode(p["tokens"], frames[k + rank - 1]), states, p["lengths"])
+            elif kind == "decode":
+                p = head["parts"][rank - 1] if ex.rows_mode == "dp" else head["parts"][0]
+                ex.decode_graph(runner, p, head["B"], head["C"])
             elif kind == "logits":
                 ex.logits(decode(head["hidden"], frames[k]))
             elif kind == "cp":

@@ -37,7 +37,9 @@ LM-head TP, o_a_proj TP with DP->TP all_to_all and reduce-scatter back). Rank la
 Partial sums travel and add in fp32 and are cast to the compute dtype once. Idle ranks: in "dp"
 mode a rank without sequences calls ``forward_idle(model)`` (= ``forward_batch`` with no sequences,
 which runs every layer on zero rows) and, when the step samples, ``model.logits`` on its
-``[0, H]`` result. The graph-captured decode (``engine.core.static_decode``) is not parallel.
+``[0, H]`` result. The captured decode step (``engine.core.static_decode``) runs every rank on
+the same bucket of rows (``ParallelContext.fixed``): counts are then known without asking, and
+the routed experts go by a fixed-shape all-gather / reduce-scatter (``ParallelMoE.routed_fixed``).
 """
 from __future__ import annotations
 
@@ -47,12 +49,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ConfigError
-from engine.model.moe import MLP, MoE
 from engine.model.transformer import Transformer
-from engine.parallel.comm import (all_gather_cols, all_reduce_max, all_reduce_sum, all_to_all_rows, counts,
-                                  exchange_counts, gather_rows, scatter_sum)
+from engine.parallel.comm import all_gather_cols, all_reduce_sum, all_to_all_rows, counts, gather_rows, scatter_sum
 from engine.parallel.context import GroupInfo, ParallelContext, trivial_context
 from engine.parallel.cuts import cut_weight, shard_tensor, stored_cuts
+from engine.parallel.moe import shard_moe
 from engine.run_config import ParallelConfig
 
 _KEY = "parallel_config"
@@ -85,7 +86,7 @@ def apply_parallel(model: Transformer, pc: ParallelConfig, rank: int) -> Paralle
                          f"{pc.world_size} and rank {rank}")
     ctx = ParallelContext(rank, pc.world_size, pc, _groups(pc, rank))
     for blk in [*model.layers, *model.mtp]:
-        blk.ffn = _shard_moe(blk.ffn, ctx)
+        blk.ffn = shard_moe(blk.ffn, ctx)
         if pc.o_proj_tp_size > 1:
             _shard_o_proj(blk.attn, ctx)
     if pc.embed_tp_size > 1:
@@ -194,138 +195,6 @@ def _vocab_slice(V: int, g: GroupInfo) -> tuple[int, int, int]:
     return lo, min(V, lo + per) - lo, per
 
 
-# ---- MoE: routed experts (EP x MoE-TP) and the shared expert -------------------------------
-class ParallelMoE(nn.Module):
-    """An ``MoE`` over the ranks, built from one (``moe``, its experts already this rank's EP /
-    MoE-TP shard starting at global expert ``expert_lo``): the same submodules under the same
-    names (parameter names stay), the same run options (``chunk``, ``platform``, ``side``, set by
-    ``Transformer.configure``)."""
-
-    def __init__(self, moe: MoE, ctx: ParallelContext, expert_lo: int):
-        super().__init__()
-        self.limit, self.ops = moe.limit, moe.ops
-        self.chunk, self.platform, self.side = moe.chunk, moe.platform, moe.side
-        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
-        self.parallel, self.expert_lo = ctx, expert_lo
-
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]`` (this rank's rows in either mode)."""
-        weights, ids = self.gate(x, tokens)
-        shared = None
-        if self.shared_experts is not None and self.side is not None:
-            with self.platform.side_stream(self.side):
-                shared = self.shared_experts(x)
-        y = self._routed(x, ids, weights)
-        if self.shared_experts is None:
-            return y
-        if shared is None:
-            return y + self.shared_experts(x)
-        self.platform.join(self.side, shared)
-        return y + shared
-
-    def _routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Routed experts over the "moe" group: ``[T, H]`` in x.dtype. Slots are put in ascending
-        expert order (the single-rank op's summation order)."""
-        g, T = self.parallel.groups["moe"], x.shape[0]
-        ids, order = ids.sort(dim=-1, stable=True)
-        weights = weights.gather(1, order)
-        c = self.chunk or max(T, 1)
-        n = -(-T // c)
-        if self.parallel.dp:
-            n = all_reduce_max(n, g) if self.chunk else 1
-            run = self._dispatch
-        else:
-            def run(xc, ic, wc):
-                return all_reduce_sum(self._local(xc, ic, wc), g)
-        if n <= 1:
-            return run(x, ids, weights).to(x.dtype)
-        return torch.cat([run(x[i * c:(i + 1) * c], ids[i * c:(i + 1) * c], weights[i * c:(i + 1) * c])
-                          for i in range(n)]).to(x.dtype)
-
-    def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """This rank's share: x ``[N, H]``, ids / weights ``[N, k]`` (global ids) -> ``[N, H]`` fp32,
-        per row the sum over its slots with a local expert (slot order) of
-        ``w * expert_slice(x)``; one ``ops.moe_experts`` call on (row, slot) pairs."""
-        e = self.experts
-        n_loc = e.num_experts
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        hit = (ids >= self.expert_lo) & (ids < self.expert_lo + n_loc)
-        r, j = hit.nonzero(as_tuple=True)
-        if r.numel() == 0:
-            return out
-        y = self.ops.moe_experts(x[r], (ids[r, j] - self.expert_lo)[:, None], weights[r, j][:, None],
-                                 *e.stored(), self.limit, e.act).float()
-        for s in range(ids.shape[1]):                    # rows are unique within one slot: no atomics
-            m = j == s
-            out[r[m]] += y[m]
-        return out
-
-    def _dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """"dp": all_to_all the rows to the EP shards that hold their experts, combine -> ``[T, H]`` fp32."""
-        pc = self.parallel
-        g, mt, n_loc = pc.groups["moe"], pc.config.moe_tp_size, self.experts.num_experts
-        T, H, k = x.shape[0], x.shape[1], ids.shape[1]
-        need = torch.zeros(T, pc.config.moe_ep_size, dtype=torch.bool, device=x.device)
-        need.scatter_(1, ids // n_loc, True)
-        rows = [need[:, d // mt].nonzero().squeeze(1) for d in range(g.size)]   # per destination rank
-        send = [int(r.numel()) for r in rows]
-        idx = torch.cat(rows)
-        recv = exchange_counts(send, g)
-        b = x.element_size() * H
-        payload = torch.cat([x[idx].contiguous().view(torch.uint8),
-                             ids[idx].to(torch.int32).view(torch.uint8),
-                             weights[idx].float().contiguous().view(torch.uint8)], dim=1)
-        got = all_to_all_rows(payload, send, recv, g)
-        xr = got[:, :b].contiguous().view(x.dtype)
-        ir = got[:, b:b + 4 * k].contiguous().view(torch.int32).long()
-        wr = got[:, b + 4 * k:].contiguous().view(torch.float32)
-        back = all_to_all_rows(self._local(xr, ir, wr), recv, send, g)         # [sum(send), H] fp32
-        out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-        off = 0
-        for r, n in zip(rows, send):                     # rank order
-            out[r] += back[off:off + n]
-            off += n
-        return out
-
-
-class ParallelSharedMLP(nn.Module):
-    """A shared expert (``MLP``) split over the "shared" TP group, built from one whose linears
-    hold this rank's slices (w1 / w3 rows, w2 columns; the same names)."""
-
-    def __init__(self, mlp: MLP, ctx: ParallelContext):
-        super().__init__()
-        self.w1, self.w2, self.w3, self.limit, self.ops = mlp.w1, mlp.w2, mlp.w3, mlp.limit, mlp.ops
-        self.parallel = ctx
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]`` -> ``[T, H]`` (this rank's rows): ``MLP``'s formula on the slices, the
-        partial sums joined over the group."""
-        g = self.parallel.groups["shared"]
-        if self.parallel.dp:
-            x, c = gather_rows(x, g)
-        y = self.w2(self.ops.swiglu_clamp(self.w1(x), self.w3(x), self.limit))
-        return (scatter_sum(y, c, g) if self.parallel.dp else all_reduce_sum(y, g)).to(x.dtype)
-
-
-def _shard_moe(moe: MoE, ctx: ParallelContext) -> ParallelMoE:
-    pc, e = ctx.config, moe.experts
-    n_loc = e.num_experts // pc.moe_ep_size
-    i_loc = e.stored()[0].shape[1] // pc.moe_tp_size
-    lo, ilo = ctx.ep_rank * n_loc, ctx.moe_tp_rank * i_loc
-    cut_weight(e, "w1", (0, lo, n_loc), (1, ilo, i_loc))
-    cut_weight(e, "w3", (0, lo, n_loc), (1, ilo, i_loc))
-    cut_weight(e, "w2", (0, lo, n_loc), (2, ilo, i_loc))
-    g = ctx.groups["shared"]
-    if g.size > 1:
-        m = moe.shared_experts
-        w = m.w1.stored.shape[0] // g.size
-        cut_weight(m.w1, "weight", (0, g.index * w, w))
-        cut_weight(m.w3, "weight", (0, g.index * w, w))
-        cut_weight(m.w2, "weight", (1, g.index * w, w))
-        moe.shared_experts = ParallelSharedMLP(m, ctx)
-    return ParallelMoE(moe, ctx, lo)
-
-
 # ---- attention output projection -----------------------------------------------------------
 def _shard_o_proj(attn: nn.Module, ctx: ParallelContext) -> None:
     g = ctx.groups["o_proj"]
@@ -353,7 +222,7 @@ class OProjTP:
             return attn.wo_b(attn.ops.grouped_linear(oa, attn.wo_a.stored).flatten(1))
 
         if ctx.dp:
-            c = counts(T, g)
+            c = ctx.counts(T, g) or counts(T, g)
             blocks = o.reshape(T, g.size, Gl, K).transpose(0, 1).reshape(g.size * T, Gl, K)   # block j: rank j's groups
             oa = all_to_all_rows(blocks, [T] * g.size, c, g)           # [N, Gl, K]: the group's rows, my groups
             return scatter_sum(partial_out(oa), c, g).to(o.dtype)
@@ -378,7 +247,7 @@ class EmbedTP:
         """tokens ``[T]`` int64 -> ``[T, H]`` compute dtype (this rank's rows)."""
         ctx, lo = self.ctx, self.lo
         g, w = ctx.groups["embed"], model.embed.weight
-        ids, c = gather_rows(tokens, g) if ctx.dp else (tokens, None)
+        ids, c = gather_rows(tokens, g, ctx.counts(tokens.shape[0], g)) if ctx.dp else (tokens, None)
         local = ids - lo
         hit = (local >= 0) & (local < w.shape[0])
         e = torch.where(hit[:, None], F.embedding(local.clamp(0, w.shape[0] - 1), w), w.new_zeros(()))
@@ -408,7 +277,7 @@ class LMHeadTP:
         g, h = ctx.groups["lmhead"], model.head
         x = h.quant_input(hidden.float())
         if ctx.dp:
-            xa, c = gather_rows(x, g)
+            xa, c = gather_rows(x, g, ctx.counts(x.shape[0], g))
             T = c[g.index]
             got = all_to_all_rows(model.ops.lm_head(xa, h.weight), c, [T] * g.size, g)   # [s*T, V/s]
             full = got.view(g.size, T, h.weight.shape[0]).permute(1, 0, 2).reshape(T, g.size * h.weight.shape[0])

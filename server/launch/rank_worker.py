@@ -36,9 +36,11 @@ def _cp_fn(cfg):
     return cp_prefill
 
 
-def rank_executor(cfg):
-    """A follower's executor factory (``build_engine``'s ``executor``)."""
-    return lambda model, cache: RankExecutor(model, cache, _cp_fn(cfg))
+def rank_executor(cfg, prefill: bool):
+    """A follower's executor factory (``build_engine``'s ``executor``): its graph decode steps in
+    the leader's row mode (``LeaderRanks.executor``)."""
+    mode = "dp" if not prefill and cfg.parallel_config.attn_dp_size > 1 else "replicated"
+    return lambda model, cache: RankExecutor(model, cache, _cp_fn(cfg), mode)
 
 
 class LeaderRanks:
@@ -129,7 +131,7 @@ def start_ranks(renv, args, cfg, prefill: bool) -> tuple[LeaderRanks | None, obj
     if renv.leader:
         ranks = LeaderRanks(renv, args, cfg, prefill)
         return ranks, ranks.executor
-    return None, rank_executor(cfg)
+    return None, rank_executor(cfg, prefill)
 
 
 def run_follower(engine, renv, args, cfg) -> int:
@@ -150,6 +152,6 @@ def run_follower(engine, renv, args, cfg) -> int:
         os._exit(1)
     watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
     log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
-    follow(engine.executor, link, rank=renv.rank)
+    follow(engine.executor, link, rank=renv.rank, runner=engine.runner)
     log.info("rank %d: stopped by the leader", renv.rank)
     os._exit(0)                          # do not run torch.distributed's teardown against a gone leader

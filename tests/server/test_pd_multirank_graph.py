@@ -1,0 +1,35 @@
+"""A 2-rank decode instance in graph mode (exe_mode npugraph_ex: torch.compile on CPU, gloo)
+behind real ``launch-pd`` processes: both ranks compile one decode step with its collectives
+inside (attention DP, expert parallel, embedding / o_proj TP with fixed row counts), and its
+streams carry the single-process eager engine's tokens, also while one rank has no request."""
+from __future__ import annotations
+
+import httpx
+import yaml
+
+from pd_util import assert_completions_match, start_pd, wait_idle
+
+DECODE2 = "configs/tiny-flash-2rank-decode.yaml"
+
+
+def test_two_rank_graph_decode_streams_the_eager_tokens(ckpt, reference, tmp_path):
+    raw = yaml.safe_load(open(DECODE2))
+    raw["model_config"]["exe_mode"] = "npugraph_ex"
+    raw["scheduler_config"]["batch_size"] = 4          # 2 per DP rank: the one CPU bucket
+    cfg = tmp_path / "decode-graph.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    pd = start_pd(ckpt, tmp_path / "pd.log", instance_args={"decode": ["--config", str(cfg)]},
+                  timeout_s=600)                       # both ranks compile on 2 shared cores: ~3 min cold
+    try:
+        health = httpx.get(pd.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
+        assert health["exe_mode"] == "npugraph_ex" and health["graph"]["buckets"] == [2]
+        assert health["parallel"]["world_size"] == 2 and health["parallel"]["attention"] == "dp"
+        # one request alone (rank 1 runs padding), then four at once (both ranks), all inside
+        # the smallest context bucket (256), the shape both ranks compiled at start-up
+        assert_completions_match(pd, reference, [(120, 0.0, 0)], 10)
+        assert_completions_match(pd, reference, [(100, 0.0, 0), (129, 0.8, 7), (200, 0.0, 0), (61, 1.0, 11)], 12)
+        wait_idle(pd, ["prefill0", "decode0"])
+        served = httpx.get(pd.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
+        assert served["parallel"]["dp_requests_total"] == [3, 2]
+    finally:
+        pd.stop()
