@@ -100,8 +100,11 @@ class StaticDecoder:
         p = self.platform
         self.side = p.new_stream() if multi_streams else None
         self.limit_core = limit_core and self.side is not None
-        # decided here, not in the step: a graph tracer need not follow inspect.unwrap
-        self.moe_kernel = inspect.unwrap(model.ops.moe_experts) is not reference.moe_experts
+        # decided here, not in the step: a graph tracer need not follow inspect.unwrap. A platform
+        # kernel's ``why`` (shapes / dtypes -> the reason it would fall back, None: it runs them)
+        # says when it is graph-safe: its fallback is the reference, which syncs the host
+        kernel = inspect.unwrap(model.ops.moe_experts)
+        self.moe_why = getattr(kernel, "why", None) if kernel is not reference.moe_experts else None
 
     # ---- streams (plain no-op contexts when off: nothing for a graph tracer to trip on) ----
     def _side(self):
@@ -251,9 +254,7 @@ class StaticDecoder:
     def _experts(self, moe: MoE, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
         """Routed experts of ``moe.experts`` (ids local to them) -> ``[B, H]`` ``out_dtype``."""
         e = moe.experts
-        if self.moe_kernel and x.dtype in (torch.bfloat16, torch.float16) and e.fmt is None and e.w1.dtype == x.dtype \
-                and e.act is None:
-            # a platform kernel (grouped matmul with a device-side group list): graph-safe; outside
-            # that contract it would fall back to reference.moe_experts, which syncs the host
-            return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit).to(out_dtype)
+        if self.moe_why is not None and self.moe_why(x, ids, *e.stored(), e.act) is None:
+            # the platform kernel (grouped matmul with a device-side group list; W8A8 as stored)
+            return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit, e.act).to(out_dtype)
         return moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act, out_dtype)

@@ -214,6 +214,15 @@ def child_report() -> dict:
                                          for a in {c.api for c in rt.calls[n_calls:]}},
                               "got": _describe(out), "want": _describe(want),
                               "close": None if name in PLACEHOLDER else _close(out, want)}
+    # what a graph step asks before it calls moe_experts (StaticDecoder._experts): None where the
+    # kernels run the inputs, the fallback's reason elsewhere; reachable through the table
+    why = table.moe_experts.why
+    cases = _cases()
+    w8 = cases["moe_experts_w8a8"][1]
+    dense = cases["moe_experts"][1]
+    rep["moe_why"] = {"w8a8": why(w8[0], w8[1], *w8[3:6], w8[7]), "bf16": why(dense[0], dense[1], *dense[3:6], None),
+                      "fp32": why(dense[0].float(), dense[1], *dense[3:6], None),
+                      "int8 weights, bf16 activations": why(w8[0], w8[1], *w8[3:6], None)}
     n_calls = len(rt.calls)
     x = torch.randn(T, 64)
     rep["fp32"] = {"same": torch.equal(table.rms_norm(x, None, 1e-6), R.rms_norm(x, None, 1e-6)),
@@ -284,6 +293,13 @@ def test_weights_past_the_kernels_dim_caps_split_instead_of_falling_back(report)
 
 def test_the_cases_reach_every_api(report):
     assert sorted({a for c in report["cases"].values() for a in c["apis"]}) == report["all_apis"]
+
+
+def test_a_graph_step_can_ask_moe_experts_whether_it_runs_the_inputs(report):
+    why = report["moe_why"]
+    assert why["w8a8"] is None and why["bf16"] is None
+    assert why["fp32"] == "x dtype float32, kernel path takes bfloat16/float16"
+    assert why["int8 weights, bf16 activations"] == "int8 experts with None activations (only W8A8 int8 is mapped)"
 
 
 def test_fp32_still_falls_back(report):

@@ -121,15 +121,9 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     quantised activations over dense experts.
     """
     T, H = x.shape
-    E, inter = w1.shape[0], w1.shape[1]             # logical shape, dense or Packed
+    E = w1.shape[0]
     packed = isinstance(w1, Packed)
-    why = first_reason(dtype_why("x", x, HALF), device_why(x),
-                 None if T > 0 and ids.numel() > 0 else "no tokens",
-                 None if 2 <= E <= 10240 else f"{E} experts, kernels take 2..10240",
-                 _w8a8_why(w1, act) if packed else
-                 (None if w1.dtype == w3.dtype == w2.dtype == x.dtype else "expert weights not in x's dtype"),
-                 None if H < 65536 and inter < 65536 else "H or I >= 65536",
-                 None if act is None or packed else f"{act} activations over dense experts")
+    why = moe_experts_why(x, ids, w1, w3, w2, act)
     if why:
         return fallback("moe_experts", why, x, ids, weights, w1, w3, w2, limit, act)
     npu = torch_npu_module()
@@ -153,6 +147,25 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     y = gmm(h, w2)                                                       # [T*k, H], expert-sorted rows
     return npu.npu_moe_finalize_routing(y, None, None, None, weights.to(y.dtype), row_idx, None,
                                         drop_pad_mode=2)
+
+
+def moe_experts_why(x: torch.Tensor, ids: torch.Tensor, w1, w3, w2, act: str | None) -> str | None:
+    """Why ``moe_experts`` would fall back to the reference for these inputs (None: the kernels
+    run them, with no host sync). Shapes and dtypes only, so a graph step can choose its path
+    before calling (``StaticDecoder``: ``moe_experts.why``)."""
+    T, H = x.shape
+    E, inter = w1.shape[0], w1.shape[1]             # logical shape, dense or Packed
+    packed = isinstance(w1, Packed)
+    return first_reason(dtype_why("x", x, HALF), device_why(x),
+                        None if T > 0 and ids.numel() > 0 else "no tokens",
+                        None if 2 <= E <= 10240 else f"{E} experts, kernels take 2..10240",
+                        _w8a8_why(w1, act) if packed else
+                        (None if w1.dtype == w3.dtype == w2.dtype == x.dtype else "expert weights not in x's dtype"),
+                        None if H < 65536 and inter < 65536 else "H or I >= 65536",
+                        None if act is None or packed else f"{act} activations over dense experts")
+
+
+moe_experts.why = moe_experts_why
 
 
 def _w8a8_why(w1, act: str | None) -> str | None:
