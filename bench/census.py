@@ -71,6 +71,7 @@ def _engine(model, cfg, batch: int, context: int, steps: int):
     return LLMEngine.build(model, block_size=s.block_size, batch_size=batch,
                            max_prefill_tokens=max(context, 256), max_model_len=max_len,
                            num_kv_blocks=max(4, blocks), cache_dtype=cfg.cache_dtype_for(model.args),
+                           cpu_memory_bytes=64 << 30,       # pools sized by num_kv_blocks; no budget check
                            next_n=cfg.model_config.next_n)
 
 

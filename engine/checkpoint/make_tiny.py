@@ -7,7 +7,8 @@ Layer patterns follow the real models (reference/dsv4-architecture.md §1.1): Fl
 window-only layers then CSA/HCA alternating; Pro = 2 HCA then alternating; 3 hash layers.
 ``flash-real-width`` has every width of the real Flash (§2.2 Flash column) but 2 layers (CSA with
 hash routing, HCA with score routing) + MTP and 8 routed experts: 2.9 GB, for tests and benchmarks
-of the real shapes on CPU.
+of the real shapes on CPU; ``pro-real-width`` is the same cut of Pro (§2.2 Pro column), for the
+op census of the Pro configs.
 
 ``--mtp-agree`` writes a checkpoint whose MTP layer drafts what the trunk will predict next, so
 speculative decoding accepts most drafts (a random MTP layer's drafts are never accepted): the
@@ -62,6 +63,12 @@ PRESETS = {
                              q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
                              index_topk=512, n_routed_experts=8, moe_intermediate_size=2048, num_hash_layers=1,
                              routed_scaling_factor=1.5, compress_ratios=[4, 128, 0]),
+    # Pro at its real widths (§1.1, §2.2 Pro column), cut the same way: 128 heads, top-k 1024,
+    # q_lora 1536 (wq_b [65536, 1536]), 16 output groups
+    "pro-real-width": dict(_COMMON, hidden_size=7168, num_hidden_layers=2, num_attention_heads=128, head_dim=512,
+                           q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+                           index_topk=1024, n_routed_experts=8, moe_intermediate_size=3072, num_hash_layers=1,
+                           routed_scaling_factor=2.5, compress_ratios=[4, 128, 0]),
 }
 GENERATION_CONFIG = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "temperature": 1.0, "top_p": 1.0}
 SHARD_BYTES = 48 << 20

@@ -52,11 +52,13 @@ EXPECTED = {
     "decode_sparse_attn_window": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_no_entry_yet": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_sparse_attn_captured": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
+    "decode_sparse_attn_128_heads": ["custom.npu_sparse_attn_sharedkv", "custom.npu_sparse_attn_sharedkv_metadata"],
     "decode_indexer_topk": ["custom.npu_quant_lightning_indexer", "custom.npu_quant_lightning_indexer_metadata",
                             "torch_npu.npu_dynamic_quant"],
 }
 PLACEHOLDER = {"sparse_attn", "sparse_attn_hca", "sparse_attn_window", "decode_sparse_attn", "decode_sparse_attn_hca",
-               "decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet", "decode_sparse_attn_captured"}                           # zeros: shape / dtype only
+               "decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet", "decode_sparse_attn_captured",
+               "decode_sparse_attn_128_heads"}                           # zeros: shape / dtype only
 DECODE_POS = [600, 601, 130]          # three decode rows (B = 3), blocks of 16, a ring of 256 slots
 
 
@@ -159,6 +161,10 @@ def _decode_cases(rnd, pool) -> dict[str, tuple[str, tuple]]:
                                                           torch.arange(B).view(B, 1), 128, None, sinks, 0.04, bs)),
         "decode_sparse_attn_window": ("decode_sparse_attn", (q, pos, DECODE_POS, win, win_table, ring, 128, None, None,
                                                              1, None, sinks, 0.04, bs)),
+        # Pro's 128 heads on an HCA layer: two calls of 64 heads
+        "decode_sparse_attn_128_heads": ("decode_sparse_attn", (rnd(B, 128, 512), pos, DECODE_POS, win, win_table, ring,
+                                                                128, hca, torch.arange(B).view(B, 1), 128, None,
+                                                                rnd(128, dtype=torch.float32), 0.04, bs)),
         # an HCA layer before any row closed a window: no row holds an entry block, so no table
         # (DecodeRows leaves it out); the call is window-only
         "decode_sparse_attn_no_entry_yet": ("decode_sparse_attn", (q[:2], torch.tensor([5, 40]), [5, 40], win,
@@ -273,6 +279,10 @@ def test_decode_rows_are_one_kernel_call_of_b_sequences(report):
     assert csa["cmp_sparse_indices"] == [B, 1, 512] and csa["cmp_block_table"] == [B, 10]
     for name in ("decode_sparse_attn_window", "decode_sparse_attn_no_entry_yet"):
         assert "cmp_kv" not in report["cases"][name]["shapes"]["custom.npu_sparse_attn_sharedkv"]
+    pro = report["cases"]["decode_sparse_attn_128_heads"]
+    assert pro["counts"] == {"custom.npu_sparse_attn_sharedkv": 2, "custom.npu_sparse_attn_sharedkv_metadata": 1}
+    assert pro["shapes"]["custom.npu_sparse_attn_sharedkv"]["q"] == [B, 64, 512] and pro["got"] == [[[B, 128, 512],
+                                                                                                     "torch.bfloat16"]]
     cap = report["cases"]["decode_sparse_attn_captured"]["shapes"]["custom.npu_sparse_attn_sharedkv"]
     assert cap["ori_block_table"] == [B, 1024 // 16] and cap["seqused_kv"] == [B]   # the bucket's blocks
     li = report["cases"]["decode_indexer_topk"]["shapes"]["custom.npu_quant_lightning_indexer"]

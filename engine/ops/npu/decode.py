@@ -54,8 +54,9 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
     (-1 padded), HCA none (mode 3 causal: every closed entry). Window-only layers pass
     ``cmp_ratio=1``, ``has_cmp_kv=False``.
 
-    Falls back to the reference for: q not bfloat16 / float16, not on an NPU, no rows, h x d !=
-    64 x 512, window != 128, a quantised or other-dtype pool (quantised KV: see
+    Pro's 128 heads run as two calls of 64 (heads share the KV; each has its own sink). Falls back
+    to the reference for: q not bfloat16 / float16, not on an NPU, no rows, d != 512 or h not a
+    multiple of 64, window != 128, a quantised or other-dtype pool (quantised KV: see
     ``NOT_MAPPED['cache_sparse_attn']``), a ratio other than 4 / 128, a top-k width other than 512
     (or on a ratio other than 4), a block size outside the PA_ND contract, or a ring that is not
     whole blocks.
@@ -65,7 +66,8 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
         cmp = topk_idx = None
     pools = [win] + ([cmp] if cmp is not None else [])
     why = first_reason(dtype_why("q", q, HALF), device_why(q), None if B > 0 else "no rows",
-                       None if (h, d) == (_SAS_HEADS, _SAS_DIM) else f"heads x dim {h} x {d}, kernel takes 64 x 512",
+                       None if d == _SAS_DIM and h % _SAS_HEADS == 0
+                       else f"heads x dim {h} x {d}, kernel takes 64 x 512 (n x 64 heads: n calls)",
                        None if window == _SAS_WINDOW else f"window {window}, kernel takes 128",
                        next((f"{p.codec.kind} KV pool: the quantised-KV kernel is not mapped" for p in pools
                              if p.codec.kind != "none"), None),
@@ -96,16 +98,18 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
     masks = dict(ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=window - 1, ori_win_right=0,
                  layout_q="TND", layout_kv="PA_ND")
     custom = custom_namespace()
+    hk = _SAS_HEADS
     metadata = custom.npu_sparse_attn_sharedkv_metadata(
-        h, 1, d, cu_seqlens_q=cu_q, seqused_kv=seqused, batch_size=B, max_seqlen_q=1, max_seqlen_kv=S2,
+        hk, 1, d, cu_seqlens_q=cu_q, seqused_kv=seqused, batch_size=B, max_seqlen_q=1, max_seqlen_kv=S2,
         cmp_topk=0 if sparse is None else sparse.shape[-1], cmp_ratio=ratio, has_ori_kv=True,
         has_cmp_kv=cmp is not None, device=str(dev), **masks)
-    out = custom.npu_sparse_attn_sharedkv(
-        q.contiguous(), ori_kv=_paged(win, bs), cmp_kv=cmp_kv, cmp_sparse_indices=sparse,
+    # Pro's 128 heads: heads share the KV and have their own sink, so 64 at a time is exact
+    outs = [custom.npu_sparse_attn_sharedkv(
+        q[:, j:j + hk].contiguous(), ori_kv=_paged(win, bs), cmp_kv=cmp_kv, cmp_sparse_indices=sparse,
         ori_block_table=ori_bt, cmp_block_table=cmp_bt, cu_seqlens_q=cu_q, seqused_kv=seqused,
-        sinks=sinks.float().contiguous(), metadata=metadata, softmax_scale=float(scale), cmp_ratio=ratio,
-        return_softmax_lse=False, **masks)[0]
-    return out.view(B, h, d)
+        sinks=sinks[j:j + hk].float().contiguous(), metadata=metadata, softmax_scale=float(scale), cmp_ratio=ratio,
+        return_softmax_lse=False, **masks)[0].view(B, hk, d) for j in range(0, h, hk)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys, block_table: torch.Tensor, block_size: int,
