@@ -126,10 +126,10 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         log.info("model_config.exe_mode %s: with next_n > 0 decode runs eager (the graph step takes one token "
                  "per request)", ex.exe_mode)
     elif graph and ex.graph:
-        ex_ = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
-        engine.runner = DecodeRunner(model, ex_.pools, engine.limits.max_model_len,
-                                     engine.limits.batch_size // ex_.dp_size, plat, ex,
-                                     ex_.rows_mode if pc.world_size > 1 else None)
+        exe = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
+        engine.runner = DecodeRunner(model, exe.pools, engine.limits.max_model_len,
+                                     engine.limits.batch_size // exe.dp_size, plat, ex,
+                                     exe.rows_mode if pc.world_size > 1 else None)
         engine.runner.warmup()
     return engine
 
