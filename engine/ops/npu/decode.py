@@ -54,9 +54,10 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
     (-1 padded), HCA none (mode 3 causal: every closed entry). Window-only layers pass
     ``cmp_ratio=1``, ``has_cmp_kv=False``.
 
-    Pro's 128 heads run as two calls of 64 (heads share the KV; each has its own sink). Falls back
-    to the reference for: q not bfloat16 / float16, not on an NPU, no rows, d != 512 or h not a
-    multiple of 64, window != 128, a quantised or other-dtype pool (quantised KV: see
+    Pro's 128 heads run as two calls of 64 (heads share the KV; each has its own sink).
+
+    Falls back to the reference for: q not bfloat16 / float16, not on an NPU, no rows, d != 512
+    or h not a multiple of 64, window != 128, a quantised or other-dtype pool (quantised KV: see
     ``NOT_MAPPED['cache_sparse_attn']``), a ratio other than 4 / 128, a top-k width other than 512
     (or on a ratio other than 4), a block size outside the PA_ND contract, or a ring that is not
     whole blocks.
