@@ -47,8 +47,7 @@ class ParallelMoE(nn.Module):
         """Routed experts over the "moe" group: ``[T, H]`` in x.dtype. Slots are put in ascending
         expert order (the single-rank op's summation order)."""
         g, T = self.parallel.groups["moe"], x.shape[0]
-        ids, order = ids.sort(dim=-1, stable=True)
-        weights = weights.gather(1, order)
+        ids, weights = _expert_order(ids, weights)
         c = self.chunk or max(T, 1)
         n = -(-T // c)
         if self.parallel.dp:
@@ -83,12 +82,11 @@ class ParallelMoE(nn.Module):
         """
         pc = self.parallel
         g = pc.groups["moe"]
-        ids, order = ids.sort(dim=-1, stable=True)
-        weights = weights.gather(1, order)
+        ids, weights = _expert_order(ids, weights)
         c = pc.counts(x.shape[0], g)
-        if pc.dp:
-            x, c = gather_rows(x, g, c)
-            ids, weights = (gather_rows(t, g, c)[0] for t in (ids, weights))
+        if pc.dp:                                        # one all_to_all for the rows, ids and weights
+            got, c = gather_rows(_pack(x, ids, weights), g, c)
+            x, ids, weights = _unpack(got, x.dtype, x.shape[1], ids.shape[1])
         local = ids - self.expert_lo
         hit = (local >= 0) & (local < self.experts.num_experts)
         y = experts(x, torch.where(hit, local, 0), torch.where(hit, weights, 0))
@@ -123,14 +121,8 @@ class ParallelMoE(nn.Module):
         send = [int(r.numel()) for r in rows]
         idx = torch.cat(rows)
         recv = exchange_counts(send, g)
-        b = x.element_size() * H
-        payload = torch.cat([x[idx].contiguous().view(torch.uint8),
-                             ids[idx].to(torch.int32).view(torch.uint8),
-                             weights[idx].float().contiguous().view(torch.uint8)], dim=1)
-        got = all_to_all_rows(payload, send, recv, g)
-        xr = got[:, :b].contiguous().view(x.dtype)
-        ir = got[:, b:b + 4 * k].contiguous().view(torch.int32).long()
-        wr = got[:, b + 4 * k:].contiguous().view(torch.float32)
+        got = all_to_all_rows(_pack(x[idx], ids[idx], weights[idx]), send, recv, g)
+        xr, ir, wr = _unpack(got, x.dtype, H, k)
         back = all_to_all_rows(self._local(xr, ir, wr), recv, send, g)         # [sum(send), H] fp32
         out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
         off = 0
@@ -138,6 +130,26 @@ class ParallelMoE(nn.Module):
             out[r] += back[off:off + n]
             off += n
         return out
+
+
+def _expert_order(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's slots in ascending expert id (the single-rank op's summation order)."""
+    ids, order = ids.sort(dim=-1, stable=True)
+    return ids, weights.gather(1, order)
+
+
+def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Rows x ``[T, H]``, ids ``[T, k]``, weights ``[T, k]`` -> one uint8 row each (x's bytes,
+    ids int32, weights fp32), so a dispatch is one collective."""
+    return torch.cat([x.contiguous().view(torch.uint8), ids.to(torch.int32).view(torch.uint8),
+                      weights.float().contiguous().view(torch.uint8)], dim=1)
+
+
+def _unpack(got: torch.Tensor, dtype: torch.dtype, H: int, k: int):
+    """Inverse of ``_pack``: (x ``[N, H]`` dtype, ids ``[N, k]`` int64, weights ``[N, k]`` fp32)."""
+    b = dtype.itemsize * H
+    return (got[:, :b].contiguous().view(dtype), got[:, b:b + 4 * k].contiguous().view(torch.int32).long(),
+            got[:, b + 4 * k:].contiguous().view(torch.float32))
 
 
 class ParallelSharedMLP(nn.Module):
