@@ -94,11 +94,6 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         raise ConfigError(f"model_config.model_path: {str(path)!r} is not a checkpoint directory")
     plat = detect(device)
     _check_ranks(cfg)
-    if cfg.model_config.next_n and cfg.parallel_config.world_size > 1:
-        # the follower ranks would have to run the MTP layer and the verify rollback in lockstep
-        raise ConfigError(f"model_config.next_n: MTP speculative decoding runs on single-rank instances "
-                          f"(parallel_config.world_size 1) so far, got world_size "
-                          f"{cfg.parallel_config.world_size}; set next_n 0")
     cp, ex = cfg.model_config.custom_params, exec_config(cfg)
     if plat.kind == "npu":
         check_platform_version(cfg, plat.platform_version)

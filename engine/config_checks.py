@@ -135,6 +135,10 @@ def check_dsv4_settings(c: RunConfig) -> None:
         if getattr(cp, name) and m.platform_version not in (None, "A3"):
             raise ConfigError(f"model_config.custom_params.{name}: A3 only, got platform_version "
                               f"{m.platform_version!r}")
+    if c.parallel_config.cp_size > 1 and m.next_n:
+        # the MTP catch-up reads the trunk's output streams, which context-parallel prefill keeps sharded
+        raise ConfigError(f"model_config.next_n: MTP needs parallel_config.cp_size 1, got cp_size "
+                          f"{c.parallel_config.cp_size}; set next_n 0 on a context-parallel prefill instance")
     if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
         raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
                           f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")

@@ -15,7 +15,8 @@ import torch
 
 from engine.core.block_manager import SeqBlocks
 from engine.core.kv_cache import PagedCache
-from engine.core.pd_state import load_state_tensors
+from engine.core.pd_state import check_state_tensors, load_mtp_state_tensors, load_state_tensors
+from engine.core.spec_decode import DraftRow, Rollback, run_drafts
 from engine.model.transformer import Transformer
 
 
@@ -30,6 +31,7 @@ class Executor:
 
     dp_size = 1
     rows_mode = None            # a multi-rank model's row mode for graph decode (``RankExecutor``)
+    rollbacks: dict = {}        # seq_id -> Rollback of the last forward_spec
 
     def __init__(self, model: Transformer, cache: PagedCache):
         self.model, self.cache = model, cache
@@ -47,9 +49,10 @@ class Executor:
 
     def load_state(self, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
                    layers: list[int] | None = None) -> None:
-        """Write an imported state (``state_tensors`` names, after ``num_tokens`` tokens) into the
-        slots ``seq_id`` holds. Raises ValueError (tensors that do not match; nothing written)."""
-        load_state_tensors(self.cache, seq_id, num_tokens, tensors, layers)
+        """Write an imported state (``state_tensors`` names, after ``num_tokens`` tokens; the MTP
+        rings' ``mtp.*`` names, ``mtp_state_tensors``) into the slots ``seq_id`` holds. Raises
+        ValueError (tensors that do not match; nothing written)."""
+        load_split(self.pools, seq_id, num_tokens, tensors, layers)
 
     # ---- the model ----------------------------------------------------------------------------
     def forward_batch(self, tokens: torch.Tensor, states: list, lengths: list[int],
@@ -59,9 +62,29 @@ class Executor:
         fp32 streams the MTP layer takes); the states advance. Raises ValueError as it does."""
         return self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=streams)
 
-    def forward_mtp(self, streams: torch.Tensor, tokens_next: torch.Tensor, states: list, lengths: list[int]):
-        """``Transformer.forward_mtp``: the MTP layer over packed rows -> (streams, hidden)."""
-        return self.model.forward_mtp(streams, tokens_next, states, lengths)
+    # ---- MTP (engine.core.spec_decode) -------------------------------------------------------
+    def forward_spec(self, tokens: torch.Tensor, states: list, lengths: list[int], seq_ids: list,
+                     spec_ks: list[int], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """A step of an MTP engine: ``forward_batch`` with its output streams kept for ``draft``,
+        and a ``Rollback`` made first for each sequence verifying drafts (``spec_ks[i]`` > 0) for
+        ``settle``. Returns hidden ``[sum(lengths), H]``. Raises ValueError as ``forward_batch``."""
+        self.rollbacks = {sid: Rollback(st, n) for sid, st, n, k in zip(seq_ids, states, lengths, spec_ks) if k}
+        hidden, streams = self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=True)
+        starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).tolist()
+        self.streams, self.offsets = streams, dict(zip(seq_ids, starts))
+        return hidden
+
+    def settle(self, seq_id, kept: int) -> None:
+        """``kept`` tokens of ``seq_id``'s verify span were accepted: roll its state back past them
+        (``Rollback.apply``; no rollback made: nothing happens)."""
+        rb = self.rollbacks.pop(seq_id, None)
+        if rb is not None:
+            rb.apply(kept)
+
+    def draft(self, plan: list[DraftRow], steps: int) -> list[list[int]]:
+        """The MTP catch-up and ``steps`` chained drafts over the last ``forward_spec``'s streams
+        (``spec_decode.run_drafts``). Returns each plan row's drafts."""
+        return run_drafts(self.model, self.pools, self.streams, self.offsets, plan, steps)
 
     def decode_rows(self, runner, rows: list[tuple[int, int, int, dict]], seq_ids: list) -> torch.Tensor:
         """Single-token rows through a graph ``runner`` (``DecodeRunner.run``'s rows; ``seq_ids``:
@@ -75,3 +98,24 @@ class Executor:
 
 # (model, the engine's pools) -> the executor the engine runs through (``LLMEngine``'s ``executor``)
 ExecutorFactory = Callable[[Transformer, PagedCache], Executor]
+
+
+def load_split(cache: PagedCache, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+               layers: list[int] | None = None, check_only: bool = False) -> None:
+    """``load_state_tensors`` for the trunk's names and ``load_mtp_state_tensors`` for ``mtp.*``
+    (a call with only MTP rings writes no trunk layer). ``check_only``: raise what writing would
+    (ValueError), write nothing."""
+    mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    trunk = {k: v for k, v in tensors.items() if k not in mtp}
+    if check_only:
+        if trunk or not mtp:
+            check_state_tensors(cache, num_tokens, trunk, layers)
+        if mtp:
+            load_mtp_state_tensors(cache, seq_id, num_tokens, mtp, check_only=True)
+        return
+    if mtp:                             # checked before the trunk is written
+        load_mtp_state_tensors(cache, seq_id, num_tokens, mtp, check_only=True)
+    if trunk or not mtp:
+        load_state_tensors(cache, seq_id, num_tokens, trunk, layers)
+    if mtp:
+        load_mtp_state_tensors(cache, seq_id, num_tokens, mtp)

@@ -18,7 +18,7 @@ from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
 from engine.core.model_runner import forward_packed
-from engine.core.pd_state import load_mtp_state_tensors, mtp_state_tensors, state_tensors
+from engine.core.pd_state import mtp_state_tensors, state_tensors
 from engine.core.request import (FinishReason, RequestError, RequestOutput, Sequence, SeqStatus, StepStats,
                                  check_request, finish_reason)
 from engine.core.sampler import sample_device, unpack
@@ -179,11 +179,7 @@ class LLMEngine:
         try:
             if mtp and self.spec is None:
                 raise ValueError(f"MTP state {sorted(mtp)[:2]} for an engine without MTP (next_n 0)")
-            if len(mtp) < len(tensors) or not mtp:
-                self.executor.load_state(request_id, seq.num_computed,
-                                         {k: v for k, v in tensors.items() if k not in mtp}, layers)
-            if mtp:
-                load_mtp_state_tensors(self.cache, request_id, seq.num_computed, mtp)
+            self.executor.load_state(request_id, seq.num_computed, tensors, layers)
         except ValueError as e:
             raise RequestError(f"state: {e}") from None
 
@@ -300,8 +296,9 @@ class LLMEngine:
                 hidden = forward_packed(self.executor, self.runner if hook is None else None, batch, ids,
                                         tokens, hook)
             else:
-                hidden, streams = self.executor.forward_batch(tokens, spec.begin(batch), batch.num_tokens,
-                                                              layer_hook=hook, streams=True)
+                hidden = self.executor.forward_spec(tokens, spec.begin(batch), batch.num_tokens,
+                                                    [s.seq_id for s in batch.seqs], [s.spec_k for s in batch.seqs],
+                                                    layer_hook=hook)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))
@@ -317,7 +314,7 @@ class LLMEngine:
                 last += range(off - 1 - s.spec_k, off)        # the pending token's row, then each draft's
         outs = self._sample(rows, hidden[torch.tensor(last, dtype=torch.long, device=dev)]) if rows else []
         if spec is not None:
-            spec.draft(streams)
+            spec.draft()
         return outs
 
     def _sample(self, rows: list, hidden: torch.Tensor) -> list[RequestOutput]:

@@ -177,8 +177,10 @@ def mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int) -> dict[str,
     return out
 
 
-def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor]) -> None:
-    """Write ``mtp_state_tensors`` output into ``seq_id``'s MTP rings.
+def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+                           check_only: bool = False) -> None:
+    """Write ``mtp_state_tensors`` output into ``seq_id``'s MTP rings (``check_only``: only raise
+    what writing would).
 
     Raises:
         ValueError: names, shapes or dtypes other than this cache's MTP rings take (nothing written).
@@ -192,6 +194,8 @@ def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors
         t = tensors[name]
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"state tensor {name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+    if check_only:
+        return
     for k in range(len(cache.mtp_win)):
         st = cache.mtp_state(seq_id, num_tokens, k)
         pos = torch.arange(num_tokens - n, num_tokens, device=st.win_pool.device)

@@ -27,7 +27,7 @@ Chained rows are written to the MTP ring but not committed: the next step rewrit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -118,10 +118,10 @@ class Rollback:
 class SpecDecoder:
     """The engine's MTP drafting and verification (``LLMEngine.spec`` when next_n > 0).
 
-    Per step: ``begin`` (before the trunk forward: the states, with a ``Rollback`` for each
-    request verifying drafts), ``accept`` and ``settle`` (per request, around appending the
-    tokens it keeps), ``draft`` (after: the MTP catch-up over the step's positions and the next
-    drafts).
+    Per step: ``begin`` (before the trunk forward, ``Executor.forward_spec``: the states),
+    ``accept`` and ``settle`` (per request, around appending the tokens it keeps), ``draft``
+    (after: the MTP catch-up over the step's positions and the next drafts). What changes the
+    state pools goes through the engine's executor, so every rank holding a request repeats it.
     """
 
     def __init__(self, engine: "LLMEngine", next_n: int):
@@ -129,7 +129,6 @@ class SpecDecoder:
             raise ValueError("next_n > 0 needs the model's MTP layer (load it with mtp=True)")
         self.engine, self.next_n = engine, next_n
         self.stats = SpecStats(num_accepted_tokens_per_pos=[0] * next_n)
-        self._rollback: dict[str, Rollback] = {}
         self._rows: list[tuple["Sequence", int, int]] = []     # (seq, first hidden row, first position)
 
     def max_drafts(self, seq: "Sequence") -> int:
@@ -143,14 +142,12 @@ class SpecDecoder:
         return max(0, min(self.next_n, p.max_new_tokens - len(seq.output_ids) - 1, room))
 
     def begin(self, batch) -> list:
-        """The batch's states for the trunk forward; a ``Rollback`` per request with drafts."""
+        """The batch's states for the trunk forward (``Executor.forward_spec``, which makes the
+        ``Rollback`` of each request verifying drafts)."""
         cache = self.engine.cache
-        states, self._rollback, self._rows, off = [], {}, [], 0
+        states, self._rows, off = [], [], 0
         for s, n in zip(batch.seqs, batch.num_tokens):
-            st = cache.sequence_state(s.seq_id, s.num_computed)
-            if s.spec_k:
-                self._rollback[s.seq_id] = Rollback(st, n)
-            states.append(st)
+            states.append(cache.sequence_state(s.seq_id, s.num_computed))
             self._rows.append((s, off, s.num_computed))
             off += n
         return states
@@ -163,27 +160,26 @@ class SpecDecoder:
     def settle(self, seq: "Sequence", kept: int) -> None:
         """``kept`` (>= 1) tokens of ``seq``'s verify span were appended (fewer than accepted + 1
         when one finished the request): the state counts the span's first ``kept`` tokens, is
-        rolled back past them, and the drafts kept are counted."""
+        rolled back past them (``Executor.settle``, on the ranks holding it), and the drafts kept
+        are counted."""
         drafts = seq.draft_ids[: seq.spec_k]
-        rb = self._rollback.pop(seq.seq_id, None)
-        if rb is not None:
-            rb.apply(kept)
+        if seq.spec_k:
+            self.engine.executor.settle(seq.seq_id, kept)
         seq.num_computed += kept - 1
         if drafts:
             self.stats.record(len(drafts), kept - 1)
         seq.draft_ids, seq.spec_k = [], 0
 
-    @torch.no_grad()
-    def draft(self, streams: torch.Tensor) -> None:
-        """MTP catch-up over this step's computed positions, then the next drafts.
+    def draft(self) -> None:
+        """MTP catch-up over this step's computed positions, then the next drafts
+        (``Executor.draft`` over the streams its ``forward_spec`` kept; ``begin``'s rows).
 
-        ``streams``: the trunk forward's output streams ``[T, n, H]`` (residual dtype) (``begin``'s rows).
         A request takes part while it holds state (running, or held for export) and the step
         computed positions of its last ``sliding_window``; it drafts when its next step decodes.
         """
         eng = self.engine
         cache, W = eng.cache, eng.model.args.sliding_window
-        rows, toks, states, lengths, seqs = [], [], [], [], []
+        plan, seqs = [], []
         for s, off, p0 in self._rows:
             if s.seq_id not in cache.seqs or not (s.seq_id in eng.seqs or s.seq_id in eng.held):
                 continue
@@ -191,34 +187,60 @@ class SpecDecoder:
             q0 = max(p0, L1 - W)
             if q0 >= L1:
                 continue
-            rows.append(torch.arange(off + q0 - p0, off + L1 - p0))
-            toks += [s.token(q + 1) for q in range(q0, L1)]
-            states.append(cache.mtp_state(s.seq_id, q0))
-            lengths.append(L1 - q0)
+            want = self.max_drafts(s) if s.num_pending == 1 else 0
+            plan.append(DraftRow(s.seq_id, q0 - p0, q0, [s.token(q + 1) for q in range(q0, L1)], want))
             seqs.append(s)
         self._rows = []
-        if not states:
+        if not plan:
             return
-        dev = streams.device
-        X, hid = eng.executor.forward_mtp(streams[torch.cat(rows).to(dev)],
-                                          torch.tensor(toks, dtype=torch.long, device=dev), states, lengths)
-        ends = torch.tensor(lengths).cumsum(0) - 1
-        pick = [i for i, s in enumerate(seqs) if s.num_pending == 1 and self.max_drafts(s)]
-        if not pick:
-            return
-        seqs = [seqs[i] for i in pick]
-        last = ends[pick].to(dev)
-        X, hid = X[last], hid[last]
-        want = [self.max_drafts(s) for s in seqs]
-        out: list[list[int]] = [[] for _ in seqs]
-        mtp = [states[i] for i in pick]
-        for k in range(max(want)):
-            tok = torch.argmax(eng.executor.logits(hid), dim=-1)         # greedy drafts (first max)
-            for j, t in enumerate(tok.tolist()):
-                if k < want[j]:
-                    out[j].append(t)
-            if k + 1 == max(want):
-                break
-            X, hid = eng.executor.forward_mtp(X, tok, mtp, [1] * len(mtp))   # chained: not committed
-        for s, d in zip(seqs, out):
-            s.draft_ids = d
+        drafts = eng.executor.draft(plan, max(r.want for r in plan))
+        for s, r, d in zip(seqs, plan, drafts):
+            if r.want:
+                s.draft_ids = d
+
+
+class DraftRow(NamedTuple):
+    """One request's part of an MTP draft step (``SpecDecoder.draft`` -> ``Executor.draft``).
+
+    ``row0``: its first catch-up row within its rows of the last ``forward_spec``; ``q0``: that
+    row's position; ``tokens``: each catch-up row's next token (``len`` rows); ``want``: drafts
+    to make after the catch-up (0: catch-up only)."""
+
+    seq_id: object
+    row0: int
+    q0: int
+    tokens: list[int]
+    want: int
+
+
+@torch.no_grad()
+def run_drafts(model, pools, streams: torch.Tensor, offsets: dict, plan: list[DraftRow], steps: int
+               ) -> list[list[int]]:
+    """This rank's part of a draft step: the MTP layer over ``plan``'s catch-up rows of
+    ``streams`` (``[T, n, H]``, the last trunk forward's output streams; ``offsets``: each request's
+    first row there), then ``steps`` greedy drafts chained on the MTP layer's own output streams
+    (vLLM's DeepSeek-V4 MTP chaining; chained rows are written to the MTP ring but not committed:
+    the next step rewrites them). Every rank of an instance runs the same ``steps`` (zero rows
+    still run every collective). Returns each row's drafts (``want`` of them; first max on ties).
+    Raises ValueError as ``Transformer.forward_mtp``."""
+    dev = streams.device
+    idx = [torch.arange(offsets[r.seq_id] + r.row0, offsets[r.seq_id] + r.row0 + len(r.tokens)) for r in plan]
+    rows = torch.cat(idx).to(dev) if idx else torch.zeros(0, dtype=torch.long, device=dev)
+    toks = torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long, device=dev)
+    states = [pools.mtp_state(r.seq_id, r.q0) for r in plan]
+    lengths = [len(r.tokens) for r in plan]
+    X, hid = model.forward_mtp(streams[rows], toks, states, lengths)
+    pick = [i for i, r in enumerate(plan) if r.want]
+    last = (torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1)[pick].to(dev)
+    X, hid = X[last], hid[last]
+    out: list[list[int]] = [[] for _ in plan]
+    mtp = [states[i] for i in pick]
+    for k in range(steps):
+        tok = torch.argmax(model.logits(hid), dim=-1)                     # greedy drafts (first max)
+        for i, t in zip(pick, tok.tolist()):
+            if k < plan[i].want:
+                out[i].append(t)
+        if k + 1 == steps:
+            break
+        X, hid = model.forward_mtp(X, tok, mtp, [1] * len(mtp))
+    return out

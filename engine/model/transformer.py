@@ -270,7 +270,7 @@ class Transformer(nn.Module):
             spans.append((off, n, st.num_tokens))
             pos.append(torch.arange(st.num_tokens, st.num_tokens + n, device=tokens_next.device))
             off += n
-        positions = torch.cat(pos)
+        positions = torch.cat(pos) if pos else tokens_next.new_zeros(0)     # no sequences: an idle DP rank
         cos, sin = self.rope_main.cos_sin(positions)
         out = self.mtp[0].forward_mtp(streams, self.embed_tokens(tokens_next), tokens_next, positions, spans,
                                       states, cos, sin)

@@ -25,6 +25,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 def _unbytes(b: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Inverse of ``_bytes``: rows of ``like``'s dtype and trailing shape."""
+    if b.numel() == 0:                  # no bytes to reinterpret (no rows, or rows of zero width)
+        return torch.empty((b.shape[0], *like.shape[1:]), dtype=like.dtype, device=b.device)
     return b.contiguous().view(like.dtype).view(b.shape[0], *like.shape[1:])
 
 

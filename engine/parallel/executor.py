@@ -3,28 +3,29 @@
 The leader (rank 0) runs the whole ``LLMEngine``: scheduler, sampler, block manager. Its state
 pools are replicated on every rank (attention runs on the same rows everywhere; experts, the
 embedding, the LM head and o_proj are sharded, ``engine.parallel.shard``), so the followers only
-need, in order, the executor calls that change the pools (allocate, free, a loaded state) and the
-model calls that carry collectives (forward, logits, context-parallel prefill). Every rank runs
-them through a ``RankExecutor``; the leader's is a ``LeaderExecutor``, which sends each call as
-one step message (``link.LeaderLink``) before running it, and ``follow`` replays the messages on
-a follower's. The block manager is deterministic, so replaying the same allocate / free sequence
-gives every rank the same block tables (vLLM's multiproc executor broadcasts its scheduler
-output the same way). ``server.launch.rank_worker`` builds each rank's engine with its executor.
+need, in order, the executor calls that change the pools (allocate, free, a loaded state, an MTP
+rollback) and the model calls that carry collectives (forward, logits, MTP drafts,
+context-parallel prefill). Every rank runs them through a ``RankExecutor``; the leader's is a
+``LeaderExecutor``, which sends each call as one step message (``link.LeaderLink``) before running
+it, and ``engine.parallel.follower.follow`` replays the messages on a follower's. The block
+manager is deterministic, so replaying the same allocate / free sequence gives every rank the
+same block tables (vLLM's multiproc executor broadcasts its scheduler output the same way).
+``server.launch.rank_worker`` builds each rank's engine with its executor.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import logging
-import os
 
 import torch
 
-from engine.core.executor import Executor
-from engine.core.pd_state import check_state_tensors, layer_state_tensors, load_state_tensors
+from engine.core.executor import Executor, load_split
+from engine.core.pd_state import layer_state_tensors, load_state_tensors
+from engine.core.spec_decode import DraftRow
 from engine.parallel.comm import gather_rows
 from engine.parallel.dp_cache import DPCache
-from engine.parallel.link import FollowerLink, LeaderLink, decode, encode
+from engine.parallel.link import LeaderLink, encode
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,34 @@ class RankExecutor(Executor):
         g = self.model.parallel.groups["moe"]
         return gather_rows(h, g, [B] * g.size)[0]
 
-    def forward_dp(self, tokens: torch.Tensor, states: list, lengths: list[int]) -> torch.Tensor:
+    def forward_dp(self, tokens: torch.Tensor, states: list, lengths: list[int], seq_ids: list | None = None,
+                   spec_ks: list[int] | None = None) -> torch.Tensor:
         """Attention DP, every rank: its own sequences (none: zero rows, still every collective),
-        then every rank's last rows, all ranks' in rank order ``[sum over ranks of sequences, H]``."""
+        then every rank's last rows, all ranks' in rank order ``[sum over ranks of sequences, H]``.
+        With ``spec_ks`` (an MTP step, ``forward_spec`` here with ``seq_ids``) a sequence's last
+        ``1 + spec_ks[i]`` rows: its pending token's and each draft's."""
         m = self.model
         with m.parallel.rows("dp"):
-            h = m.forward_batch(tokens, states, lengths)
-        ends = torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1
-        return gather_rows(h[ends], m.parallel.groups["moe"])[0]
+            if spec_ks is None:
+                h = m.forward_batch(tokens, states, lengths)
+            else:
+                h = Executor.forward_spec(self, tokens, states, lengths, seq_ids, spec_ks)   # this rank's only
+        tails = [1] * len(lengths) if spec_ks is None else [1 + k for k in spec_ks]
+        ends = torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()
+        idx = [e - t + j for e, t in zip(ends, tails) for j in range(t)]
+        return gather_rows(h[torch.tensor(idx, dtype=torch.long, device=h.device)], m.parallel.groups["moe"])[0]
+
+    def draft_dp(self, plan: list, steps: int) -> torch.Tensor:
+        """Attention DP, every rank: ``draft`` of its own requests' ``plan`` rows in "dp" row mode,
+        then every rank's drafts in rank order: ``[sum over ranks of rows, steps]`` int64, -1 past
+        a row's ``want``."""
+        m = self.model
+        with m.parallel.rows("dp"):
+            got = Executor.draft(self, [DraftRow(*r) for r in plan], steps)                # this rank's only
+        out = torch.full((len(got), steps), -1, dtype=torch.long, device=self.streams.device)
+        for i, d in enumerate(got):
+            out[i, :len(d)] = torch.tensor(d, dtype=torch.long)
+        return gather_rows(out, m.parallel.groups["moe"])[0]
 
     def prefill_cp(self, seq_id, tokens: torch.Tensor) -> torch.Tensor:
         """Every rank: CP prefill of ``tokens`` ``[L]`` (a whole prompt), then the full state into
@@ -127,10 +148,10 @@ class LeaderExecutor(RankExecutor):
         if r is None:
             super().load_state(seq_id, num_tokens, tensors, layers)
         elif r == 0:
-            load_state_tensors(self.cache.ranks[0], seq_id, num_tokens, tensors, layers)
+            load_split(self.pools, seq_id, num_tokens, tensors, layers)
             return
         else:
-            check_state_tensors(self.cache, num_tokens, tensors, layers)
+            load_split(self.pools, seq_id, num_tokens, tensors, layers, check_only=True)
         metas, frames = [], []
         for name, t in tensors.items():
             meta, buf = encode(t)
@@ -151,6 +172,41 @@ class LeaderExecutor(RankExecutor):
             if not cp:
                 return self._forward(tokens, states, lengths, layer_hook)
             return self._with_cp(cp, tokens, states, lengths, layer_hook)
+
+    def forward_spec(self, tokens, states, lengths, seq_ids, spec_ks, layer_hook=None) -> torch.Tensor:
+        """As ``Executor.forward_spec`` on every rank (under attention DP, each request's rows on
+        its owner rank; the hidden rows other than each request's last ``1 + spec_ks[i]`` are zero)."""
+        with self._failing("forward"):
+            if self.dp_size > 1:
+                return self._forward_dp(tokens, states, lengths, layer_hook, spec_ks)
+            meta, buf = encode(tokens)
+            self._send({"op": "forward", "seqs": list(seq_ids), "nums": [st.num_tokens for st in states],
+                        "lengths": list(lengths), "tokens": meta, "spec": list(spec_ks)}, [buf])
+            return super().forward_spec(tokens, states, lengths, seq_ids, spec_ks, layer_hook)
+
+    def settle(self, seq_id, kept: int) -> None:
+        """As ``Executor.settle`` on the ranks holding ``seq_id`` (sent with the next step)."""
+        r = self._owner(seq_id)
+        if r in (None, 0):
+            super().settle(seq_id, kept)
+        if r != 0:
+            self.pending.append(["settle", seq_id, kept, r])
+
+    def draft(self, plan: list, steps: int) -> list[list[int]]:
+        """As ``Executor.draft`` on every rank: under attention DP each plan row on its owner rank,
+        every rank chaining ``steps`` drafts (their collectives matched), the drafts gathered here."""
+        with self._failing("draft"):
+            if self.dp_size == 1:
+                self._send({"op": "draft", "plan": [list(r) for r in plan], "steps": steps}, [])
+                return super().draft(plan, steps)
+            mine = [[i for i, r in enumerate(plan) if self.cache.rank_of(r.seq_id) == k] for k in range(self.dp_size)]
+            parts = [[list(plan[i]) for i in m] for m in mine]
+            self._send({"op": "draft", "parts": parts[1:], "steps": steps}, [])
+            got = self.draft_dp(parts[0], steps).tolist()
+            out: list[list[int]] = [[] for _ in plan]
+            for i, row in zip((i for m in mine for i in m), got):
+                out[i] = row[:plan[i].want]
+            return out
 
     def decode_rows(self, runner, rows: list, seq_ids: list) -> torch.Tensor:
         """As ``Executor.decode_rows`` over the ranks: under attention DP each row on its owner
@@ -214,9 +270,9 @@ class LeaderExecutor(RankExecutor):
         self.pending, self.frames = [], []
         self.link.send(header, frames)
 
-    def _forward_dp(self, tokens, states, lengths, layer_hook) -> torch.Tensor:
+    def _forward_dp(self, tokens, states, lengths, layer_hook, spec_ks=None) -> torch.Tensor:
         """Each rank runs its own requests' rows; returns ``[T, H]`` with each sequence's last row
-        (the others zero: the engine reads only last rows)."""
+        (with ``spec_ks``, its last ``1 + spec_ks[i]``; the others zero: the engine reads no other)."""
         if layer_hook is not None:
             raise ValueError("attention DP serves decode: no layer hook")
         m, cache = self.model, self.cache
@@ -226,15 +282,20 @@ class LeaderExecutor(RankExecutor):
         parts, frames = [], []
         for r in range(1, self.dp_size):
             meta, buf = encode(tokens[_rows(mine[r], offs)])
-            parts.append({"seqs": [seqs[i] for i in mine[r]], "nums": [states[i].num_tokens for i in mine[r]],
-                          "lengths": [lengths[i] for i in mine[r]], "tokens": meta})
+            part = {"seqs": [seqs[i] for i in mine[r]], "nums": [states[i].num_tokens for i in mine[r]],
+                    "lengths": [lengths[i] for i in mine[r]], "tokens": meta}
+            if spec_ks is not None:
+                part["spec"] = [spec_ks[i] for i in mine[r]]
+            parts.append(part)
             frames.append(buf)
         self._send({"op": "forward_dp", "parts": parts}, frames)
-        last = self.forward_dp(tokens[_rows(mine[0], offs)], [states[i] for i in mine[0]],
-                               [lengths[i] for i in mine[0]])
+        own = mine[0]
+        last = self.forward_dp(tokens[_rows(own, offs)], [states[i] for i in own], [lengths[i] for i in own],
+                               [seqs[i] for i in own], None if spec_ks is None else [spec_ks[i] for i in own])
         hidden = torch.zeros(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
-        order = [i for r in range(self.dp_size) for i in mine[r]]
-        hidden[torch.tensor([offs[i + 1] - 1 for i in order], dtype=torch.long)] = last
+        tail = [0] * len(lengths) if spec_ks is None else spec_ks
+        order = [j for r in range(self.dp_size) for i in mine[r] for j in range(offs[i + 1] - 1 - tail[i], offs[i + 1])]
+        hidden[torch.tensor(order, dtype=torch.long)] = last
         return hidden
 
     def _use_cp(self, state, n: int) -> bool:
@@ -294,56 +355,3 @@ def _offsets(lengths: list[int]) -> list[int]:
     for n in lengths:
         offs.append(offs[-1] + n)
     return offs
-
-
-def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0, runner=None) -> None:
-    """A follower's loop: replay the leader's step messages through this rank's ``executor``
-    (graph decode steps through ``runner``, its engine's ``DecodeRunner``) until ``stop``.
-
-    A ValueError from the model is the leader's too (same inputs, raised before any collective):
-    logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
-    which takes the instance out of routing (the leader sees the connection close).
-    """
-    ex, cache = executor, executor.cache
-    while True:
-        head, frames = link.recv()
-        try:
-            k = 0
-            for op in head.get("cache", ()):
-                if op[-1] not in (None, rank):       # another DP rank's request
-                    continue
-                if op[0] == "alloc":
-                    ex.allocate(op[1], op[2])
-                elif op[0] == "free":
-                    ex.free(op[1])
-                elif op[0] == "load":
-                    _, rid, n, metas, layers, _ = op
-                    tensors = {}
-                    for name, *meta in metas:
-                        tensors[name] = decode(meta, frames[k])
-                        k += 1
-                    ex.load_state(rid, n, tensors, layers)
-            kind = head["op"]
-            if kind == "forward":
-                tokens = decode(head["tokens"], frames[k])
-                states = [cache.sequence_state(s, n) for s, n in zip(head["seqs"], head["nums"])]
-                try:
-                    ex.forward_batch(tokens, states, head["lengths"])
-                except ValueError as e:
-                    log.warning("forward refused on every rank: %s", e)
-            elif kind == "forward_dp":
-                p = head["parts"][rank - 1]
-                states = [cache.sequence_state(s, n) for s, n in zip(p["seqs"], p["nums"])]
-                ex.forward_dp(decode(p["tokens"], frames[k + rank - 1]), states, p["lengths"])
-            elif kind == "decode":
-                p = head["parts"][rank - 1] if ex.rows_mode == "dp" else head["parts"][0]
-                ex.decode_graph(runner, p, head["B"], head["C"])
-            elif kind == "logits":
-                ex.logits(decode(head["hidden"], frames[k]))
-            elif kind == "cp":
-                ex.prefill_cp(head["seq"], decode(head["tokens"], frames[k]))
-            elif kind == "stop":
-                return
-        except Exception:                 # noqa: BLE001 - out of step with the leader: leave
-            log.exception("follower out of step with the leader; exiting")
-            os._exit(1)

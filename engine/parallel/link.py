@@ -70,7 +70,8 @@ def watch(sock: zmq.Socket, ctx: zmq.Context, on_lost: Callable[[str], None], na
                 if ev["event"] == zmq.EVENT_DISCONNECTED and fds is not None and ev["value"] not in fds:
                     continue
                 if ev["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
-                    who = f"rank {fds[ev['value']]}" if fds else repr(ev.get("endpoint", b"?"))
+                    # a CLOSED event's value is the listening socket's fd, not a peer's
+                    who = f"rank {fds[ev['value']]}" if fds and ev["value"] in fds else repr(ev.get("endpoint", b"?"))
                     on_lost(f"{name}: the connection to {who} closed")
                     return
         except zmq.ZMQError:              # context terminated: we are shutting down

@@ -22,7 +22,8 @@ import time
 import zmq
 
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
-from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, follow
+from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout
+from engine.parallel.follower import follow
 from kvtransfer.secure import secure_client, secure_server, stop_authenticator
 from server.launch.local import stop_processes
 

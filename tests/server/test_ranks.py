@@ -12,7 +12,8 @@ from engine.build import build_engine, check_min_ranks
 from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
-from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, follow, sequence_state_tensors
+from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, sequence_state_tensors
+from engine.parallel.follower import follow
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import free_port
@@ -114,9 +115,18 @@ def test_leader_refuses_a_follower_with_another_layout():
 # ---- replay -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair(ckpt):
+    yield from _pair(ckpt, CONFIG)
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(ckpt):
+    yield from _pair(ckpt, "configs/tiny-flash-mtp.yaml")
+
+
+def _pair(ckpt, config: str):
     """A leader engine with a LeaderExecutor and a follower engine replaying it on a thread
     (world 1 models: no collectives, so this checks the replay alone)."""
-    cfg = RunConfig.from_yaml(CONFIG)
+    cfg = RunConfig.from_yaml(config)
     port = free_port()
     link = LeaderLink("127.0.0.1", port, 2)
     leader = build_engine(cfg, ckpt, progress=False, executor=lambda m, c: LeaderExecutor(m, c, link))
@@ -127,7 +137,7 @@ def pair(ckpt):
     link.wait_followers(cache_layout(leader), startup_s=30)
     th.join()
     mirror = leader.executor
-    count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.model.logits, link.send
+    count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.executor.logits, link.send
 
     def sent(header, frames=(), to=None):
         count["sent"] += header["op"] == "logits"
@@ -139,7 +149,7 @@ def pair(ckpt):
             count["seen"] += 1
             cond.notify_all()
         return out
-    link.send, follower.model.logits = sent, seen
+    link.send, follower.executor.logits = sent, seen      # the replayed logits calls (not a draft's)
 
     def replayed() -> bool:
         with cond:
@@ -186,6 +196,28 @@ def test_follower_pools_equal_the_leaders_through_prefill_decode_and_frees(pair)
     _sync(mirror)
     _pools_equal(leader.cache, follower.cache)
     assert leader.num_free_blocks() == leader.num_total_blocks()
+
+
+def test_a_follower_replays_mtp_verify_rollback_and_drafts(mtp_pair, reference):
+    """next_n 3: the verify spans' rollbacks (``settle``) and the MTP catch-up / chained drafts
+    (``draft``) replay on the follower: its pools, MTP rings included, equal the leader's after
+    every step, and the tokens are the next_n 0 engine's."""
+    leader, follower, mirror = mtp_pair
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1000, 60000, (n,), generator=gen).tolist() for n in (131, 20, 64)]
+    params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 0.8, 1.0))]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        leader.add_request(f"m{i}", p, sp)
+    done = {f"m{i}": [] for i in range(3)}
+    while leader.has_unfinished():
+        for out in leader.step():
+            done[out.request_id] += out.new_token_ids
+        _sync(mirror)
+        _pools_equal(leader.cache, follower.cache)
+    assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
+    want = reference.generate(prompts, params)
+    assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]
 
 
 def test_follower_replays_an_imported_state(pair, reference):
