@@ -216,14 +216,17 @@ def test_compiled_decode_step_on_a_converted_checkpoint(converted):
     params = [SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=2)] * 2
 
     def engine(runner: bool):
-        e = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=128, max_model_len=256,
+        # both prompts prefill in one step, so every decode step has 2 rows: one compile (B 2, C 256)
+        e = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=256,
                             num_kv_blocks=32, num_reserved_decode_tokens=0)
         if runner:
             e.runner = DecodeRunner(m, e.cache, 256, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
         return e
 
     eager = engine(False).generate(prompts, params)
-    graph = engine(True).generate(prompts, params)
+    g = engine(True)
+    graph = g.generate(prompts, params)
+    assert list(g.runner._fns) == [(2, 256)]
     assert [s.output_ids for s in eager] == [s.output_ids for s in graph]
     worst = max(abs(p.logprob - q.logprob) for a, b in zip(eager, graph) for p, q in zip(a.logprobs, b.logprobs))
     assert worst <= 1e-4
