@@ -31,11 +31,13 @@ class Executor:
 
     dp_size = 1
     rows_mode = None            # a multi-rank model's row mode for graph decode (``RankExecutor``)
-    rollbacks: dict = {}        # seq_id -> Rollback of the last forward_spec
 
     def __init__(self, model: Transformer, cache: PagedCache):
         self.model, self.cache = model, cache
         self.pools = cache          # this process's PagedCache (what a graph step writes)
+        # MTP: the last forward_spec's Rollbacks by seq_id, output streams and each sequence's first row
+        self.rollbacks: dict = {}
+        self.streams, self.offsets = None, {}
 
     # ---- state pools --------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
