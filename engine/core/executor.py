@@ -10,6 +10,7 @@ exported state) read ``executor.cache`` directly: they change nothing any rank m
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -72,8 +73,7 @@ class Executor:
         ``settle``. Returns hidden ``[sum(lengths), H]``. Raises ValueError as ``forward_batch``."""
         self.rollbacks = {sid: Rollback(st, n) for sid, st, n, k in zip(seq_ids, states, lengths, spec_ks) if k}
         hidden, streams = self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=True)
-        starts = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).tolist()
-        self.streams, self.offsets = streams, dict(zip(seq_ids, starts))
+        self.streams, self.offsets = streams, dict(zip(seq_ids, accumulate(lengths, initial=0)))
         return hidden
 
     def settle(self, seq_id, kept: int) -> None:
@@ -105,18 +105,16 @@ ExecutorFactory = Callable[[Transformer, PagedCache], Executor]
 def load_split(cache: PagedCache, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
                layers: list[int] | None = None, check_only: bool = False) -> None:
     """``load_state_tensors`` for the trunk's names and ``load_mtp_state_tensors`` for ``mtp.*``
-    (a call with only MTP rings writes no trunk layer). ``check_only``: raise what writing would
-    (ValueError), write nothing."""
+    (a call with only MTP rings writes no trunk layer), both checked before either writes.
+    ``check_only``: raise what writing would (ValueError), write nothing."""
     mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
     trunk = {k: v for k, v in tensors.items() if k not in mtp}
-    if check_only:
-        if trunk or not mtp:
-            check_state_tensors(cache, num_tokens, trunk, layers)
-        if mtp:
-            load_mtp_state_tensors(cache, seq_id, num_tokens, mtp, check_only=True)
-        return
-    if mtp:                             # checked before the trunk is written
+    if trunk or not mtp:
+        check_state_tensors(cache, num_tokens, trunk, layers)
+    if mtp:
         load_mtp_state_tensors(cache, seq_id, num_tokens, mtp, check_only=True)
+    if check_only:
+        return
     if trunk or not mtp:
         load_state_tensors(cache, seq_id, num_tokens, trunk, layers)
     if mtp:
