@@ -98,7 +98,8 @@ def census(cfg, ckpt: Path, platform: str, batch: int, context: int, steps: int,
         kind = "npu" if platform == "npu-stub" else "cpu"
         ops = rec.table(ops_for(kind, cp.kernel_config))
         model = load_model(ckpt, dtype=DTYPES[cfg.model_config.dtype], ops=ops, progress=False,
-                           mtp=cfg.model_config.next_n > 0)
+                           mtp=cfg.model_config.next_n > 0, num_layers=cp.num_hidden_layers,
+                           max_position_embeddings=cp.max_position_embeddings)
         model.configure(cp.moe_chunk_max_len,
                         residual_dtype=residual_dtype_for(kind, DTYPES[cfg.model_config.dtype]))
         eng = _engine(model, cfg, batch, context, steps)

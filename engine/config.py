@@ -127,6 +127,25 @@ class ModelArgs:
     def is_hash_layer(self, i: int) -> bool:
         return i < self.num_hash_layers
 
+    def overridden(self, num_hidden_layers: int | None = None,
+                   max_position_embeddings: int | None = None) -> "ModelArgs":
+        """These args under ``model_config.custom_params``' overrides (§5.1): the first
+        ``num_hidden_layers`` backbone layers (their compress ratios and hash routing; the MTP
+        layers kept) and another ``max_position_embeddings``. None keeps a value.
+        Raises ConfigError: more layers than the checkpoint has."""
+        n, out = self.num_hidden_layers, self
+        if num_hidden_layers is not None and num_hidden_layers != n:
+            if not 0 < num_hidden_layers <= n:
+                raise ConfigError(f"model_config.custom_params.num_hidden_layers: must be 1..{n} (the checkpoint's "
+                                  f"num_hidden_layers), got {num_hidden_layers}")
+            k = num_hidden_layers
+            out = dataclasses.replace(out, num_hidden_layers=k, num_hash_layers=min(self.num_hash_layers, k),
+                                      compress_ratios=self.compress_ratios[:k] + self.compress_ratios[n:])
+        if max_position_embeddings is not None:
+            out = dataclasses.replace(out, max_position_embeddings=max_position_embeddings)
+        out.validate()
+        return out
+
     # ---- loading -------------------------------------------------------------------------
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelArgs":

@@ -194,7 +194,8 @@ def densify(model: Transformer) -> None:
 def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                ops: Ops = REFERENCE, progress: bool = True, packed: bool = True,
                shard: Callable[[Transformer], object] | None = None, mtp: bool = False,
-               threads: int | None = None) -> Transformer:
+               threads: int | None = None, num_layers: int | None = None,
+               max_position_embeddings: int | None = None) -> Transformer:
     """Read config.json, validate the shards, and return a filled ``Transformer``.
 
     Args:
@@ -210,6 +211,9 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
             (``shard_cuts``) and never another EP shard's experts.
         mtp: load the MTP block (``mtp.*``); without it ``model.mtp`` is empty.
         threads: tensors copied at once (default: the CPU count, at most 8).
+        num_layers / max_position_embeddings: ``model_config.custom_params``' overrides
+            (``ModelArgs.overridden``): a reduced-layer run reads only the first ``num_layers``
+            backbone layers' tensors; the checkpoint is still validated whole.
     Raises:
         ConfigError: bad config.json, or raised by ``shard``. CheckpointError: layout or value
             problems (one line each).
@@ -220,7 +224,10 @@ def load_model(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device:
     found = scan_checkpoint(ckpt)
     args = stored_args(ModelArgs.from_json(ckpt), found)
     validate_layout(checkpoint_layout(args), found)
-    keep = {n: t for n, t in found.items() if mtp or not n.startswith("mtp.")}
+    full = args.num_hidden_layers
+    args = args.overridden(num_layers, max_position_embeddings)
+    dropped = tuple(f"layers.{i}." for i in range(args.num_hidden_layers, full))
+    keep = {n: t for n, t in found.items() if (mtp or not n.startswith("mtp.")) and not n.startswith(dropped)}
     with deferred_params():
         model = Transformer(args, dtype, ops)
     if not mtp:

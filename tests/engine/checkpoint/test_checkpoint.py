@@ -270,3 +270,23 @@ def test_tokenizer_config_errors_are_named(broken):
         (broken / "tokenizer_config.json").write_text(text)
         with pytest.raises(TokenizerError, match=msg):
             Tokenizer(broken)
+
+
+def test_reduced_layer_run_reads_the_first_layers_only(tiny_ckpt):
+    """``custom_params.num_hidden_layers`` 4 (upstream's reduced-layer runs): the first four
+    backbone layers (SWA, SWA, CSA, HCA) and the MTP layer; layer 3's output streams are the full
+    model's, bit for bit, and nothing past layer 3 is read."""
+    ckpt = tiny_ckpt("flash", 1)
+    full = load_model(ckpt, progress=False)
+    cut = load_model(ckpt, progress=False, mtp=True, num_layers=4, max_position_embeddings=4096)
+    a = cut.args
+    assert (a.num_hidden_layers, a.compress_ratios, a.max_position_embeddings) == (4, (0, 0, 4, 128, 0), 4096)
+    assert len(cut.layers) == 4 and len(cut.mtp) == 1 and a.num_hash_layers == 3
+    seen = []
+    full.layers[3].register_forward_hook(lambda mod, inp, out: seen.append(out))
+    tokens = torch.randint(0, a.vocab_size, (150,), generator=torch.Generator().manual_seed(0))
+    _, streams = cut.forward_batch(tokens, [cut.new_state()], [150], streams=True)
+    full.forward(tokens, full.new_state())
+    assert torch.equal(streams, seen[0])
+    with pytest.raises(ConfigError, match=r"custom_params\.num_hidden_layers: must be 1\.\.6"):
+        load_model(ckpt, progress=False, num_layers=7)
