@@ -73,7 +73,7 @@ def check_cache_platform(cache: CacheDtype, version: str | None) -> None:
 
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
                  progress: bool = True, graph: bool = True, rank: int = 0,
-                 executor: ExecutorFactory | None = None) -> LLMEngine:
+                 executor: ExecutorFactory | None = None, warmup: bool = True) -> LLMEngine:
     """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
     from ``scheduler_config``; with a graph ``exe_mode`` (and ``graph``: False for a prefill-only
     worker, which always runs eager) compile / capture the decode step now.
@@ -84,6 +84,9 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     ``executor``: the engine's executor (``LLMEngine``'s; None: this process only). A multi-rank
     instance passes its rank's (``server.launch.rank_worker``: ``engine.parallel.executor``'s
     ``LeaderExecutor`` on rank 0, ``RankExecutor`` on the others).
+    ``warmup``: False leaves the compile / capture to the caller (``engine.runner.warmup()``): a
+    multi-rank instance warms up only after every rank has shown the same cache layout, since the
+    warm-up steps run the model's collectives.
     Raises:
         ConfigError: no model path, a checkpoint / config combination the run config forbids, or
             state pools too small for ``max_model_len``. CheckpointError: unreadable checkpoint.
@@ -126,7 +129,8 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         engine.runner = DecodeRunner(model, exe.pools, engine.limits.max_model_len,
                                      engine.limits.batch_size // exe.dp_size, plat, ex,
                                      exe.rows_mode if pc.world_size > 1 else None)
-        engine.runner.warmup()
+        if warmup:
+            engine.runner.warmup()
     return engine
 
 

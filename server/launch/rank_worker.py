@@ -79,13 +79,16 @@ class LeaderRanks:
         return self.leader
 
     def wait_followers(self, engine) -> None:
-        """Until every follower has said hello with ``engine``'s layout; exits naming a missing or
-        different rank."""
+        """Until every follower has said hello with ``engine``'s layout (exits naming a missing or
+        different rank); then the graph warm-up, whose collectives the followers run after their
+        hello (``run_follower``)."""
         try:
             self.link.wait_followers(cache_layout(engine), self.dist_timeout_s)
         except LinkError as e:
             self.close()
             raise SystemExit(f"launch-pd: {e}") from None
+        if engine.runner is not None:
+            engine.runner.warmup()
 
     def attach(self, worker) -> None:
         """Watch the ranks on behalf of ``worker`` (its ``rank_lost`` is called once)."""
@@ -152,6 +155,8 @@ def run_follower(engine, renv, args, cfg) -> int:
         log.error("rank %d: leader lost (%s); exiting", renv.rank, reason)
         os._exit(1)
     watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
+    if engine.runner is not None:        # after the hello: the leader checks the layout before any collective
+        engine.runner.warmup()
     log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
     follow(engine.executor, link, rank=renv.rank, runner=engine.runner)
     log.info("rank %d: stopped by the leader", renv.rank)

@@ -58,7 +58,7 @@ def run_worker(args) -> int:
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
-                              rank=renv.rank if renv else 0, executor=executor)
+                              rank=renv.rank if renv else 0, executor=executor, warmup=renv is None)
         if digest is not None:
             opts.weights_digest = digest.result().value
     except (ConfigError, CheckpointError) as e:
