@@ -25,7 +25,10 @@ LOGPROB_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
-    return load_model(tiny_ckpt("flash", 1), progress=False)
+    """The tiny flash cut to its first 4 layers (custom_params.num_hidden_layers): SWA, SWA, CSA
+    and HCA, hash- and score-routed, so every layer kind is in the step at 2/3 of the trace and
+    compile time."""
+    return load_model(tiny_ckpt("flash", 1), progress=False, num_layers=4)
 
 
 def _engine(model, batch_size=4, runner_cfg: ExecConfig | None = None, **kw):
@@ -230,7 +233,7 @@ def test_static_step_traces_in_one_graph_with_the_ascend_op_table(tiny_ckpt):
     no logger call and no host-syncing fallback inside the trace. Found by review."""
     from engine.ops import REFERENCE
     from engine.ops import npu
-    m = load_model(tiny_ckpt("flash", 1), ops=REFERENCE.with_overrides(**npu.KERNELS), progress=False)
+    m = load_model(tiny_ckpt("flash", 1), ops=REFERENCE.with_overrides(**npu.KERNELS), progress=False, num_layers=4)
     eng = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=512,
                           num_kv_blocks=48, num_reserved_decode_tokens=0)
     runner = DecodeRunner(m, eng.cache, 512, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))

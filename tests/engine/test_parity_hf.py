@@ -1,7 +1,7 @@
 """Logit parity with HF transformers 5.23.0 DeepseekV4ForCausalLM on the same checkpoint (fp32).
 
 Both presets, two seeds each: prefill lengths around every window / compress boundary, chunked
-prefill with uneven chunks, and 300 greedy decode steps crossing 128-multiples, against one full
+prefill with uneven chunks, and 150 greedy decode steps crossing 128-multiples, against one full
 HF forward. Max abs logit difference <= 1e-4. Top-k ties: see ``hf_oracle`` (tie-tolerant).
 """
 from types import SimpleNamespace
@@ -81,15 +81,15 @@ def test_chunked_prefill_uneven_chunks(pair):
     check(pair, torch.cat(outs), pair.prompt, pair.ref)
 
 
-def test_decode_300_steps_crossing_128_multiples(pair):
+def test_decode_150_steps_crossing_128_multiples(pair):
     g, m = pair.guard, pair.guarded
     g.reset()
-    start = 250                                  # positions 250..549 cross 256, 384, 512
+    start = 250                                  # positions 250..399 cross 256 and 384
     state = m.new_state()
     logits = [run(m, g, pair.prompt[:start], state)]
     nxt = logits[0][-1:].argmax(-1)
     tokens = [pair.prompt[:start]]
-    for _ in range(300):
+    for _ in range(150):
         tokens.append(nxt)
         logits.append(run(m, g, nxt, state))
         nxt = logits[-1].argmax(-1)

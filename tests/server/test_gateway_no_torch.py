@@ -52,9 +52,10 @@ def test_a_live_gateway_process_has_no_torch_loaded(how, ckpt, tmp_path):
         config.write_text(yaml.safe_dump(run))
         args = ["--config", str(config)]
     port = free_port()
-    # workers that are not there: the gateway serves HTTP anyway (503 for generation)
+    # workers that are not there: the gateway serves HTTP anyway (503 for generation, after a
+    # short grace for an instance to come up)
     cmd = LAUNCH + ["--role", "gateway", *args, "--port", str(port), "--prefill-addrs", f"127.0.0.1:{free_port()}",
-                    "--decode-addrs", f"127.0.0.1:{free_port()}"]
+                    "--decode-addrs", f"127.0.0.1:{free_port()}", "--reconnect-grace-s", "0.5"]
     with open(tmp_path / "gateway.log", "w") as log:
         gw = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

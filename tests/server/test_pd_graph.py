@@ -9,18 +9,37 @@ import httpx
 import pytest
 import yaml
 
+from engine.build import build_engine
+from engine.run_config import RunConfig
+
 from pd_util import CONFIG, assert_completions_match, start_pd, wait_idle
 
 
 @pytest.fixture(scope="module")
-def cluster(ckpt, tmp_path_factory):
-    d = tmp_path_factory.mktemp("pd-graph")
+def graph_cfg(tmp_path_factory):
+    """tiny-flash.yaml in graph mode, batch 2, cut to the first 4 layers (SWA, SWA, CSA, HCA:
+    every layer kind, 2/3 of the compile time) for every process and the reference alike."""
     raw = yaml.safe_load(open(CONFIG))
     raw["model_config"]["exe_mode"] = "npugraph_ex"
+    raw["model_config"].setdefault("custom_params", {})["num_hidden_layers"] = 4
     raw["scheduler_config"]["batch_size"] = 2
-    cfg = d / "graph.yaml"
+    cfg = tmp_path_factory.mktemp("pd-graph-cfg") / "graph.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    pd = start_pd(ckpt, d / "pd.log", config=str(cfg))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, graph_cfg):
+    """The eager in-process engine on the same 4 layers."""
+    raw = yaml.safe_load(open(graph_cfg))
+    raw["model_config"]["exe_mode"] = "eager"
+    return build_engine(RunConfig.from_dict(raw), ckpt, progress=False)
+
+
+@pytest.fixture(scope="module")
+def cluster(ckpt, graph_cfg, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pd-graph")
+    pd = start_pd(ckpt, d / "pd.log", config=str(graph_cfg))
     yield pd
     pd.stop()
 

@@ -7,19 +7,33 @@ from __future__ import annotations
 import httpx
 import yaml
 
-from pd_util import assert_completions_match, start_pd, wait_idle
+from engine.build import build_engine
+from engine.run_config import RunConfig
+
+from pd_util import CONFIG, assert_completions_match, start_pd, wait_idle
 
 DECODE2 = "configs/tiny-flash-2rank-decode.yaml"
 
 
-def test_two_rank_graph_decode_streams_the_eager_tokens(ckpt, reference, tmp_path):
-    raw = yaml.safe_load(open(DECODE2))
-    raw["model_config"]["exe_mode"] = "npugraph_ex"
+def _cut(path: str, out, **model_config):
+    """``path``'s run config cut to the first 4 layers (SWA, SWA, CSA, HCA: every layer kind, 2/3
+    of the compile time), with ``model_config`` set; written to ``out``."""
+    raw = yaml.safe_load(open(path))
+    raw["model_config"].setdefault("custom_params", {})["num_hidden_layers"] = 4
+    raw["model_config"].update(model_config)
+    out.write_text(yaml.safe_dump(raw))
+    return raw
+
+
+def test_two_rank_graph_decode_streams_the_eager_tokens(ckpt, tmp_path):
+    reference = build_engine(RunConfig.from_dict(_cut(CONFIG, tmp_path / "prefill.yaml")), ckpt, progress=False)
+    raw = _cut(DECODE2, tmp_path / "decode-graph.yaml", exe_mode="npugraph_ex")
     raw["scheduler_config"]["batch_size"] = 4          # 2 per DP rank: the one CPU bucket
     cfg = tmp_path / "decode-graph.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    pd = start_pd(ckpt, tmp_path / "pd.log", instance_args={"decode": ["--config", str(cfg)]},
-                  timeout_s=600)                       # both ranks compile on 2 shared cores: ~3 min cold
+    pd = start_pd(ckpt, tmp_path / "pd.log", config=str(tmp_path / "prefill.yaml"),
+                  instance_args={"decode": ["--config", str(cfg)]},
+                  timeout_s=600)                       # both ranks compile on 2 shared cores: ~2 min cold
     try:
         health = httpx.get(pd.ready_urls["decode0"].replace("/ready", "/health"), timeout=10).json()
         assert health["exe_mode"] == "npugraph_ex" and health["graph"]["buckets"] == [2]

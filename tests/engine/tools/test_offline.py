@@ -64,7 +64,19 @@ def test_offline_outputs_match_the_engine_run_alone(config_file, tmp_path):
         assert len(lat) == 6 and lat[0] == row["ttft_s"] and all(x >= 0 for x in lat)
 
 
-def test_offline_bad_arguments_name_the_flag(config_file, tmp_path):
+def _main(args, capsys) -> tuple[int, str]:
+    """dsv4-offline's ``main`` in this process: (exit status, stderr); any other exception fails
+    the test, as a traceback from the subprocess would."""
+    from engine.tools.offline import main
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err
+
+
+def test_offline_bad_arguments_name_the_flag(config_file, tmp_path, capsys):
+    """The first case through a real subprocess, the rest through ``main`` in this process."""
     cases = [
         ((), "one of --config or --model"),
         (("--config", tmp_path / "missing.yaml"), "missing.yaml"),
@@ -72,11 +84,13 @@ def test_offline_bad_arguments_name_the_flag(config_file, tmp_path):
         (("--config", config_file, "--dataset", tmp_path / "none.jsonl"), "none.jsonl"),
         (("--config", config_file, "--limit", 0), "--limit"),
     ]
-    for args, msg in cases:
-        r = _cli(*args, "--out", tmp_path / "o.jsonl")
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
-    r = _cli("--config", config_file, "--out", tmp_path / "no" / "dir.jsonl")
-    assert r.returncode == 2 and "--out" in r.stderr
+    r = _cli(*cases[0][0], "--out", tmp_path / "o.jsonl")
+    assert r.returncode == 2 and cases[0][1] in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for args, msg in cases[1:]:
+        rc, err = _main((*args, "--out", tmp_path / "o.jsonl"), capsys)
+        assert rc == 2 and msg in err, (args, err)
+    rc, err = _main(("--config", config_file, "--out", tmp_path / "no" / "dir.jsonl"), capsys)
+    assert rc == 2 and "--out" in err
     assert not (tmp_path / "o.jsonl").exists()
 
 

@@ -210,7 +210,7 @@ def test_clip_factors_are_applied(orig, tmp_path):
 def test_compiled_decode_step_on_a_converted_checkpoint(converted):
     """graph mode (torch.compile on CPU) traces the quantised linears and activation quantisation
     (HiF8 tables, MX exponents, no float8 storage dtypes inside the graph) and keeps eager's tokens."""
-    m = load_model(converted["w4a8-mx-hif"], progress=False)
+    m = load_model(converted["w4a8-mx-hif"], progress=False, num_layers=4)      # every layer kind, 2/3 the compile
     rng = random.Random(3)
     prompts = [[rng.randrange(m.args.vocab_size) for _ in range(n)] for n in (5, 130)]
     params = [SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=2)] * 2
@@ -229,4 +229,8 @@ def test_compiled_decode_step_on_a_converted_checkpoint(converted):
     assert list(g.runner._fns) == [(2, 256)]
     assert [s.output_ids for s in eager] == [s.output_ids for s in graph]
     worst = max(abs(p.logprob - q.logprob) for a, b in zip(eager, graph) for p, q in zip(a.logprobs, b.logprobs))
-    assert worst <= 1e-4
+    # the compiled step sums the same fp32 terms in another order; an activation quantiser (HiF8 /
+    # MX here) turns that last-bit difference into a whole quantisation step where a value sits on
+    # a rounding boundary (1.3e-3 on these 4 layers), so the bound is that of one flipped step,
+    # not the 1e-4 of an unquantised model (test_graph_decode); the tokens are still identical
+    assert worst <= 5e-3
