@@ -17,6 +17,8 @@ from engine.run_config import RunConfig
 from engine.core.model_runner import DecodeRunner, ExecConfig, buckets, context_buckets
 from engine.core.sampling_params import SamplingParams
 
+from graph_cfg import graph_run_config, graph_threads
+
 MAX_LEN = 1024
 # logprob tolerance: the static step sums the same fp32 terms in another order (masked padding
 # entries, experts by slot instead of by id); greedy tokens must still be identical
@@ -100,16 +102,22 @@ def test_static_step_multi_streams_and_limit_core_are_noops_on_cpu(model, eager_
     _assert_same(ref, eng.generate(prompts, params))
 
 
-def test_torch_compile_on_cpu_matches_eager(model, eager_out):
-    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up before serving.
-    The two shortest requests stay inside the smallest context bucket (one compile on a 2-core
-    machine; crossing buckets is the uncompiled tests' job, the compile of another shape dynamo's)."""
-    prompts, params, ref = eager_out
-    eng = _engine(model, batch_size=2, runner_cfg=ExecConfig(exe_mode="npugraph_ex"))
-    eng.runner.warmup()
+def test_torch_compile_on_cpu_matches_eager(tiny_ckpt):
+    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up by build_engine
+    before serving, on the graph decode worker's own config (tests/graph_cfg.py: the worker of
+    test_pd_graph then reads this compile from the inductor cache). Two requests, one greedy and
+    one sampled, inside the smallest context bucket: one compile (crossing buckets is the
+    uncompiled tests' job, the compile of another shape dynamo's)."""
+    ckpt = tiny_ckpt("flash", 1)
+    with graph_threads():
+        eng = build_engine(RunConfig.from_dict(graph_run_config()), ckpt, progress=False)
+    ref_eng = build_engine(RunConfig.from_dict(graph_run_config("eager")), ckpt, progress=False)
+    prompts, params = _workload(ref_eng.model, n=2)
+    ref = ref_eng.generate(prompts, params)
     assert eng.runner.buckets == [2] and eng.runner.warmup_s > 0
-    assert max(len(p) for p in prompts[:2]) + params[0].max_new_tokens <= eng.runner.contexts[0]
-    worst = _assert_same(ref[:2], eng.generate(prompts[:2], params[:2]))
+    assert max(len(p) for p in prompts) + params[0].max_new_tokens <= eng.runner.contexts[0]
+    with graph_threads():
+        worst = _assert_same(ref, eng.generate(prompts, params))
     assert list(eng.runner._fns) == [(2, eng.runner.contexts[0])]
     print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.warmup_s:.0f} s")
     assert eng.num_free_blocks() == eng.num_total_blocks()

@@ -12,19 +12,17 @@ import yaml
 from engine.build import build_engine
 from engine.run_config import RunConfig
 
-from pd_util import CONFIG, assert_completions_match, start_pd, wait_idle
+from graph_cfg import GRAPH_THREADS, graph_run_config
+from pd_util import assert_completions_match, start_pd, wait_idle
 
 
 @pytest.fixture(scope="module")
 def graph_cfg(tmp_path_factory):
-    """tiny-flash.yaml in graph mode, batch 2, cut to the first 4 layers (SWA, SWA, CSA, HCA:
-    every layer kind, 2/3 of the compile time) for every process and the reference alike."""
-    raw = yaml.safe_load(open(CONFIG))
-    raw["model_config"]["exe_mode"] = "npugraph_ex"
-    raw["model_config"].setdefault("custom_params", {})["num_hidden_layers"] = 4
-    raw["scheduler_config"]["batch_size"] = 2
+    """tests/graph_cfg.py's config (tiny-flash.yaml in graph mode, batch 2, the first 4 layers) for
+    every process and the reference alike: the compile test of test_graph_decode compiled the
+    same graph, so the decode worker reads it from the inductor cache."""
     cfg = tmp_path_factory.mktemp("pd-graph-cfg") / "graph.yaml"
-    cfg.write_text(yaml.safe_dump(raw))
+    cfg.write_text(yaml.safe_dump(graph_run_config()))
     return cfg
 
 
@@ -39,7 +37,8 @@ def reference(ckpt, graph_cfg):
 @pytest.fixture(scope="module")
 def cluster(ckpt, graph_cfg, tmp_path_factory):
     d = tmp_path_factory.mktemp("pd-graph")
-    pd = start_pd(ckpt, d / "pd.log", config=str(graph_cfg))
+    pd = start_pd(ckpt, d / "pd.log", config=str(graph_cfg),
+                  instance_args={"decode": ["--cpu-threads", str(GRAPH_THREADS)]})
     yield pd
     pd.stop()
 

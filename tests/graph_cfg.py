@@ -1,0 +1,39 @@
+"""The graph-mode run config the compile tests share.
+
+``configs/tiny-flash.yaml`` in exe_mode npugraph_ex (torch.compile on CPU), batch 2, cut to the first
+4 layers (SWA, SWA, CSA, HCA: every layer kind at 2/3 of the compile time). One config is one
+compiled graph: the in-process compile test (tests/engine/test_graph_decode.py) fills the inductor
+cache that the graph decode worker (tests/server/test_pd_graph.py) then reads, so a machine with an
+empty cache (CI) compiles it once. ``GRAPH_THREADS``: the torch intra-op threads both compile under,
+so the two see the same kernels (a worker's default is the machine's cores over its workers).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPH_THREADS = 1
+
+
+def graph_run_config(exe_mode: str = "npugraph_ex") -> dict:
+    """The raw run config (``RunConfig.from_dict`` input) in ``exe_mode``."""
+    raw = yaml.safe_load((ROOT / "configs/tiny-flash.yaml").read_text())
+    raw["model_config"]["exe_mode"] = exe_mode
+    raw["model_config"].setdefault("custom_params", {})["num_hidden_layers"] = 4
+    raw["scheduler_config"]["batch_size"] = 2
+    return raw
+
+
+@contextmanager
+def graph_threads():
+    """torch's intra-op threads set to ``GRAPH_THREADS`` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(GRAPH_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
