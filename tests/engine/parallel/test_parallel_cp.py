@@ -158,9 +158,10 @@ def test_zigzag_chunks():
         assert all(s % 128 == 0 for s, e in ch if e > s)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_cp_prefill_matches_forward(ref, tmp_path, world):
-    _run(ref, tmp_path, world)
+def test_cp_prefill_matches_forward(ref, tmp_path):
+    """CP 2 on the unsharded model, also in bf16 and with an fp8 cache; CP 4's chunking is the
+    EP x TP test's at world 4, to the same tolerance."""
+    _run(ref, tmp_path, 2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
