@@ -27,11 +27,9 @@ def graph_cfg(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt, graph_cfg):
+def reference(ckpt):
     """The eager in-process engine on the same 4 layers."""
-    raw = yaml.safe_load(open(graph_cfg))
-    raw["model_config"]["exe_mode"] = "eager"
-    return build_engine(RunConfig.from_dict(raw), ckpt, progress=False)
+    return build_engine(RunConfig.from_dict(graph_run_config("eager")), ckpt, progress=False)
 
 
 @pytest.fixture(scope="module")
