@@ -6,15 +6,29 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import shutil
 
 import engine  # noqa: F401  - sets MKL_CBWR before any GEMM (engine/__init__.py)
 import pytest
+import torch
 
 from engine.build import build_engine
 from engine.run_config import RunConfig
 from engine.checkpoint.make_tiny import make_tiny
 from server.launch.local import log_tail
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``, the default in pyproject.toml) each worker gets
+    ``cpu_count // N`` torch threads, and so do the processes its tests start (``OMP_NUM_THREADS``
+    is inherited). Two workers each running two OpenMP threads on two cores spin against each other
+    and take longer than one worker; one thread each keeps both cores busy with no contention."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -3,8 +3,9 @@
 ``configs/tiny-flash.yaml`` in exe_mode npugraph_ex (torch.compile on CPU), batch 2, cut to the first
 4 layers (SWA, SWA, CSA, HCA: every layer kind at 2/3 of the compile time). One config is one
 compiled graph: the in-process compile test (tests/engine/test_graph_decode.py) fills the inductor
-cache that the graph decode worker (tests/server/test_pd_graph.py) then reads, so a machine with an
-empty cache (CI) compiles it once. ``GRAPH_THREADS``: the torch intra-op threads both compile under,
+cache that the graph decode worker (tests/server/test_pd_graph.py) reads when it starts after that
+test has finished (whether it does depends on how pytest-xdist hands out files), so an empty cache (CI)
+can compile it once. ``GRAPH_THREADS``: the torch intra-op threads both compile under,
 so the two see the same kernels (a worker's default is the machine's cores over its workers).
 """
 from __future__ import annotations
