@@ -233,14 +233,16 @@ def run_drafts(model, pools, streams: torch.Tensor, offsets: dict, plan: list[Dr
     pick = [i for i, r in enumerate(plan) if r.want]
     last = (torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1)[pick].to(dev)
     X, hid = X[last], hid[last]
-    out: list[list[int]] = [[] for _ in plan]
-    mtp = [states[i] for i in pick]
+    mtp, chain = [states[i] for i in pick], []
     for k in range(steps):
         tok = torch.argmax(model.logits(hid), dim=-1)                     # greedy drafts (first max)
-        for i, t in zip(pick, tok.tolist()):
-            if k < plan[i].want:
-                out[i].append(t)
+        chain.append(tok)
         if k + 1 == steps:
             break
         X, hid = model.forward_mtp(X, tok, mtp, [1] * len(mtp))
+    # the chain stays on the device: one host copy for all steps, not one per step
+    drafted = torch.stack(chain, dim=1).tolist() if chain else [[] for _ in pick]   # [len(pick), steps]
+    out: list[list[int]] = [[] for _ in plan]
+    for i, ids in zip(pick, drafted):
+        out[i] = ids[:plan[i].want]
     return out

@@ -16,6 +16,7 @@ from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.core.spec_decode import SpecDecoder, SpecStats, num_accepted
+from bench.census_count import SyncCounter
 from spec_util import assert_same_states, states_by_length
 
 
@@ -83,6 +84,23 @@ def test_preemption_with_drafts_keeps_tokens(model):
     assert eng.scheduler.num_preemptions > 0 and any(s.num_preemptions for s in got)
     assert eng.spec.stats.num_drafts > 0
     assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+def test_a_draft_step_copies_its_drafts_to_the_host_once(model):
+    """next_n 3: a draft step chains its 3 greedy drafts on the device and copies them to the host
+    in one transfer, not one per draft: the draft code's host syncs are at one site, at most one
+    per engine step."""
+    eng = _engine(model, 3)
+    for i, p in enumerate(_prompts(2, 20, 40, seed=5)):
+        eng.add_request(f"r{i}", p, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    steps = 0
+    with SyncCounter() as c:
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+    sites = {site: n for (_, site), n in c.sites.items() if site.startswith("engine/core/spec_decode.py")}
+    assert len(sites) == 1 and 0 < sum(sites.values()) <= steps, (sites, steps)
+    assert eng.spec.stats.num_draft_tokens > eng.spec.stats.num_drafts > 0        # several drafts per step
 
 
 def test_state_after_rejected_drafts_is_byte_identical(model):
