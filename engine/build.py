@@ -121,14 +121,13 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,
                     residual_dtype_for(plat.kind, DTYPES[cfg.model_config.dtype]))
     engine = _size(cfg, model, path, executor)
-    if graph and ex.graph and engine.spec is not None:
-        log.info("model_config.exe_mode %s: with next_n > 0 decode runs eager (the graph step takes one token "
-                 "per request)", ex.exe_mode)
-    elif graph and ex.graph:
+    if graph and ex.graph:
         exe = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
+        # an MTP engine's step verifies the pending token and up to next_n drafts per request
         engine.runner = DecodeRunner(model, exe.pools, engine.limits.max_model_len,
                                      engine.limits.batch_size // exe.dp_size, plat, ex,
-                                     exe.rows_mode if pc.world_size > 1 else None)
+                                     exe.rows_mode if pc.world_size > 1 else None,
+                                     span=1 + cfg.model_config.next_n)
         if warmup:
             engine.runner.warmup()
     return engine

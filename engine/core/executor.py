@@ -17,7 +17,7 @@ import torch
 from engine.core.block_manager import SeqBlocks
 from engine.core.kv_cache import PagedCache
 from engine.core.pd_state import check_state_tensors, load_mtp_state_tensors, load_state_tensors
-from engine.core.spec_decode import DraftRow, Rollback, run_drafts
+from engine.core.spec_decode import DraftRow, Rollback, SpanRollback, run_drafts
 from engine.model.transformer import Transformer
 
 
@@ -36,18 +36,25 @@ class Executor:
     def __init__(self, model: Transformer, cache: PagedCache):
         self.model, self.cache = model, cache
         self.pools = cache          # this process's PagedCache (what a graph step writes)
-        # MTP: the last forward_spec's Rollbacks by seq_id, output streams and each sequence's first row
+        # MTP: the last forward_spec's Rollbacks by seq_id (eager) or SpanRollback (graph), output
+        # streams and each sequence's first row; a graph step's spec_k by seq_id while it runs
         self.rollbacks: dict = {}
+        self.spans: SpanRollback | None = None
         self.streams, self.offsets = None, {}
+        self._spec: dict | None = None
 
     # ---- state pools --------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
         """Hold blocks for ``num_tokens`` tokens of ``seq_id`` (``BlockManager.allocate``).
         Raises CacheFullError with nothing taken."""
+        self._restore()
         return self.cache.allocate(seq_id, num_tokens)
 
     def free(self, seq_id) -> None:
         """Return everything ``seq_id`` holds (none: nothing happens)."""
+        self._restore()
+        if self.spans is not None:
+            self.spans.drop(seq_id)
         self.cache.free(seq_id)
 
     def load_state(self, seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
@@ -55,6 +62,7 @@ class Executor:
         """Write an imported state (``state_tensors`` names, after ``num_tokens`` tokens; the MTP
         rings' ``mtp.*`` names, ``mtp_state_tensors``) into the slots ``seq_id`` holds. Raises
         ValueError (tensors that do not match; nothing written)."""
+        self._restore()
         load_split(self.pools, seq_id, num_tokens, tensors, layers)
 
     # ---- the model ----------------------------------------------------------------------------
@@ -67,12 +75,23 @@ class Executor:
 
     # ---- MTP (engine.core.spec_decode) -------------------------------------------------------
     def forward_spec(self, tokens: torch.Tensor, states: list, lengths: list[int], seq_ids: list,
-                     spec_ks: list[int], layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+                     spec_ks: list[int], layer_hook: Callable[[int], None] | None = None,
+                     graph: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """A step of an MTP engine: ``forward_batch`` with its output streams kept for ``draft``,
         and a ``Rollback`` made first for each sequence verifying drafts (``spec_ks[i]`` > 0) for
-        ``settle``. Returns hidden ``[sum(lengths), H]``. Raises ValueError as ``forward_batch``."""
-        self.rollbacks = {sid: Rollback(st, n) for sid, st, n, k in zip(seq_ids, states, lengths, spec_ks) if k}
-        hidden, streams = self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=True)
+        ``settle``. ``graph``: the step run instead with a graph runner (``forward_packed`` with
+        ``states``: every verify span through the graph step) -> (hidden, streams). Returns hidden
+        ``[sum(lengths), H]``. Raises ValueError as ``forward_batch``."""
+        self.spans = None
+        if graph is not None:            # its decode_rows makes the step's SpanRollback
+            self.rollbacks, self._spec = {}, dict(zip(seq_ids, spec_ks))
+            try:
+                hidden, streams = graph()
+            finally:
+                self._spec = None
+        else:
+            self.rollbacks = {sid: Rollback(st, n) for sid, st, n, k in zip(seq_ids, states, lengths, spec_ks) if k}
+            hidden, streams = self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=True)
         self.streams, self.offsets = streams, dict(zip(seq_ids, accumulate(lengths, initial=0)))
         return hidden
 
@@ -82,6 +101,8 @@ class Executor:
         rb = self.rollbacks.pop(seq_id, None)
         if rb is not None:
             rb.apply(kept)
+        elif self.spans is not None:
+            self.spans.settle(seq_id, kept)
 
     def draft(self, plan: list[DraftRow], steps: int) -> list[list[int]]:
         """The MTP catch-up and ``steps`` chained drafts over the last ``forward_spec``'s streams
@@ -89,9 +110,24 @@ class Executor:
         return run_drafts(self.model, self.pools, self.streams, self.offsets, plan, steps)
 
     def decode_rows(self, runner, rows: list[tuple[int, int, int, dict]], seq_ids: list) -> torch.Tensor:
-        """Single-token rows through a graph ``runner`` (``DecodeRunner.run``'s rows; ``seq_ids``:
-        whose they are) -> hidden ``[len(rows), H]``; the states advance."""
+        """Rows through a graph ``runner`` (``DecodeRunner.run``'s rows; ``seq_ids``: whose they
+        are) -> hidden ``[n, H]`` of their n tokens (an MTP step: and their streams); the states
+        advance. In an MTP step (``forward_spec`` with ``graph``) a ``SpanRollback`` is made first."""
+        if self._spec is not None:
+            self.begin_spans(rows, seq_ids, self._spec)
         return runner.run(rows)
+
+    def begin_spans(self, rows: list, seq_ids: list, spec_ks: dict) -> None:
+        """An MTP graph step's ``SpanRollback`` of ``rows`` (``DecodeRunner`` rows of ``seq_ids``)
+        verifying drafts (``spec_ks[seq_id]`` > 0), made before the step writes the pools."""
+        self.rollbacks = {}
+        self.spans = SpanRollback(self.pools, [(sid, r[2], r[1], len(r[0])) for sid, r in zip(seq_ids, rows)
+                                               if spec_ks.get(sid)])
+
+    def _restore(self) -> None:
+        """Before the pools change hands (allocate, free, load): the settled spans' restores."""
+        if self.spans is not None:
+            self.spans.apply()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``Transformer.logits``: hidden ``[T, H]`` -> ``[T, V]`` fp32."""

@@ -27,7 +27,8 @@ class PagedCache(BlockManager):
     ``n_c4 * bs + 1`` (CSA) or ``n_c128 * bs + 1`` (HCA) rows of d; idx_kv[l] ``n_c4 * bs + 1``
     rows of dI; fp32 tensors comp_kv / comp_score[l]
       ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
-      2*dI]`` fp32 (CSA layers).
+      2*dI]`` fp32 (CSA layers), views of ``comp_stacks`` (kind -> (its layers, (kv, score)
+      ``[layers, max_seqs + 1, rows, width]``)).
 
     Past the managed blocks each pool has a scratch part no request ever holds, for fixed-shape
     (graph) decode: ``pad_slot`` (a state slot) and ``pad_win_blocks`` (a window ring) for the
@@ -54,16 +55,24 @@ class PagedCache(BlockManager):
         # the MTP layers' window rings (next_n > 0), indexed by the same ``win`` block tables
         self.mtp_win = [kv_rows((n_win + ring_blocks) * bs) for _ in range(g.mtp_layers)]
         self.cmp_kv, self.idx_kv, self.comp, self.idx_comp = {}, {}, {}, {}
+        # compressor states: one (kv, score) pair of tensors per kind for all its layers, each
+        # layer's a view, so a graph verify step's rollback (spec_decode.SpanRollback) saves and
+        # restores every layer's rows in one op per tensor
+        self.comp_stacks: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]] = {}
+        kinds = (("c4", g.csa_layers, CSA_RATIO, 2 * d, self.comp), ("c4_idx", g.csa_layers, CSA_RATIO, 2 * dI, self.idx_comp),
+                 ("c128", g.hca_layers, HCA_RATIO, d, self.comp))
+        for name, layers, ratio, width, views in kinds:
+            if layers:
+                shape = (len(layers), S + 1, g.state_rows[ratio], width)
+                kv, score = torch.zeros(shape, **f32), torch.zeros(shape, **f32)
+                self.comp_stacks[name] = (tuple(layers), (kv, score))
+                for j, l in enumerate(layers):
+                    views[l] = (kv[j], score[j])
         for l in g.csa_layers:
             n = self.pools["c4"].num_blocks * bs + 1
             self.cmp_kv[l], self.idx_kv[l] = kv_rows(n), CacheRows.zeros(self.idx_codec, n, device)
-            rows = g.state_rows[CSA_RATIO]
-            self.comp[l] = (torch.zeros(S + 1, rows, 2 * d, **f32), torch.zeros(S + 1, rows, 2 * d, **f32))
-            self.idx_comp[l] = (torch.zeros(S + 1, rows, 2 * dI, **f32), torch.zeros(S + 1, rows, 2 * dI, **f32))
         for l in g.hca_layers:
             self.cmp_kv[l] = kv_rows(self.pools["c128"].num_blocks * bs + 1)
-            rows = g.state_rows[HCA_RATIO]
-            self.comp[l] = (torch.zeros(S + 1, rows, d, **f32), torch.zeros(S + 1, rows, d, **f32))
         self.trash_row = {p: self.pools[p].num_blocks * bs for p in GROWING}
 
     def tensors(self) -> list[torch.Tensor]:

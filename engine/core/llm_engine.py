@@ -17,7 +17,7 @@ from engine.cache_dtype import CacheDtype
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
 from engine.core.kv_cache import PagedCache, size_pools
-from engine.core.model_runner import forward_packed
+from engine.core.model_runner import forward_packed, spec_graph
 from engine.core.pd_state import mtp_state_tensors, state_tensors
 from engine.core.request import (FinishReason, RequestError, RequestOutput, Sequence, SeqStatus, StepStats,
                                  check_request, finish_reason)
@@ -296,9 +296,10 @@ class LLMEngine:
                 hidden = forward_packed(self.executor, self.runner if hook is None else None, batch, ids,
                                         tokens, hook)
             else:
-                hidden = self.executor.forward_spec(tokens, spec.begin(batch), batch.num_tokens,
-                                                    [s.seq_id for s in batch.seqs], [s.spec_k for s in batch.seqs],
-                                                    layer_hook=hook)
+                graph = spec_graph(self.executor, self.runner if hook is None else None, batch, ids, tokens)
+                states = spec.begin(batch, states=graph is None)
+                hidden = self.executor.forward_spec(tokens, states, batch.num_tokens, [s.seq_id for s in batch.seqs],
+                                                    [s.spec_k for s in batch.seqs], layer_hook=hook, graph=graph)
         except Exception:
             # states are half-advanced: the batch's requests cannot continue (logged, not hidden)
             log.exception("forward failed; failing %d requests", len(batch.seqs))

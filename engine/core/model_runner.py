@@ -81,7 +81,8 @@ def context_buckets(max_model_len: int) -> list[int]:
 
 
 class DecodeRunner:
-    """Runs B single-token rows through a compiled / captured ``StaticDecoder`` step.
+    """Runs B rows (one sequence's next ``span`` tokens or fewer each) through a compiled /
+    captured ``StaticDecoder`` step.
 
     Args:
         model, cache: the engine's model and pools. max_model_len: tokens per request.
@@ -91,16 +92,17 @@ class DecodeRunner:
             ("replicated" or "dp", ``engine.parallel.context``), always with fixed row counts: every
             rank runs the same bucket, so the step's collectives have fixed shapes and are captured
             with it. None: a single-rank model.
+        span: tokens per row at most (an MTP engine: ``1 + next_n``; ``StaticDecoder``'s span).
     Raises:
         PlatformError: a graph backend this machine lacks (torchair for ge_graph on Ascend).
     """
 
     def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, max_batch: int,
-                 platform: Platform, cfg: ExecConfig, rows_mode: str | None = None):
-        self.platform, self.cfg, self.cache = platform, cfg, cache
+                 platform: Platform, cfg: ExecConfig, rows_mode: str | None = None, span: int = 1):
+        self.platform, self.cfg, self.cache, self.span = platform, cfg, cache, span
         self.parallel = model.parallel if rows_mode is not None else None
         self.rows_mode = rows_mode
-        self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core)
+        self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core, span)
         # CPU replays nothing: one bucket (the batch size) is one compile instead of log2(batch) ones
         self.buckets = [max_batch] if platform.kind == "cpu" else buckets(max_batch)
         self.contexts = context_buckets(max_model_len)
@@ -182,18 +184,24 @@ class DecodeRunner:
         return replay
 
     # ---- run --------------------------------------------------------------------------------
-    def _inputs(self, rows: list[tuple[int, int, int, dict]], B: int, C: int) -> list[torch.Tensor]:
-        """(token, position, state slot, block tables) per row -> the step's padded inputs, the
-        entry tables of context bucket C."""
-        n, c = len(rows), self.cache
-        tokens = torch.zeros(B, dtype=torch.long)
-        positions = torch.zeros(B, dtype=torch.long)
-        slots = torch.full((B,), c.pad_slot, dtype=torch.long)
-        for i, (tok, pos, slot, _) in enumerate(rows):
-            tokens[i], positions[i], slots[i] = tok, pos, slot
-        t = self.static.tables([r[3] for r in rows], B, C)
+    def _inputs(self, rows: list[tuple[list[int], int, int, dict]], B: int, C: int) -> list[torch.Tensor]:
+        """(token ids, first position, state slot, block tables) per row -> the step's ``B * span``
+        flat rows (``StaticDecoder``: token j of row b at ``b * span + j``, padding past a row's
+        tokens and past its rows), with the entry tables of context bucket C."""
+        T, c = self.span, self.cache
+        assert len(rows) <= B and all(1 <= len(r[0]) <= T for r in rows)
+        tokens = torch.zeros(B * T, dtype=torch.long)
+        positions = torch.zeros(B * T, dtype=torch.long)
+        slots = torch.full((B * T,), c.pad_slot, dtype=torch.long)
+        blocks: list[dict | None] = [None] * (B * T)
+        for b, (toks, pos, slot, tables) in enumerate(rows):
+            n = len(toks)
+            tokens[b * T:b * T + n] = torch.tensor(toks, dtype=torch.long)
+            positions[b * T:b * T + n] = torch.arange(pos, pos + n)
+            slots[b * T:b * T + n] = slot
+            blocks[b * T:b * T + n] = [tables] * n
+        t = self.static.tables(blocks, B * T, C)
         out = [tokens, positions, slots, t["win"], t["c4"], t["c128"]]
-        assert n <= B
         return [x.to(self.device, non_blocking=True) for x in out]
 
     def bucket(self, n: int) -> int:
@@ -210,46 +218,80 @@ class DecodeRunner:
                 return C
         raise ValueError(f"decode runner: {n} tokens exceed max_model_len {self.contexts[-1]}")
 
-    def run(self, rows: list[tuple[int, int, int, dict]]) -> torch.Tensor:
-        """rows: (token id, position, state slot, {pool: block ids}) -> hidden ``[len(rows), H]``.
+    def run(self, rows: list[tuple[list[int], int, int, dict]]):
+        """rows: (token ids (1 .. span of them), first position, state slot, {pool: block ids})
+        -> hidden ``[n, H]`` of the rows' n tokens in order; with span > 1 also their output
+        streams ``[n, hc, H]`` (``StaticDecoder``).
 
-        Each row's state must already hold room for its position (the scheduler allocates first).
+        Each row's state must already hold room for its tokens (the scheduler allocates first).
         """
-        B, C = self.bucket(len(rows)), self.context_bucket(max(r[1] for r in rows) + 1)
-        return self.step(rows, B, C)[: len(rows)]
+        B, C = self.bucket(len(rows)), self.context_bucket(max(r[1] + len(r[0]) for r in rows))
+        out = self.step(rows, B, C)
+        if self.span == 1:
+            return out[: len(rows)]
+        T = self.span
+        idx = torch.tensor([b * T + j for b, r in enumerate(rows) for j in range(len(r[0]))], device=self.device)
+        return tuple(o[idx] for o in out)
 
-    def step(self, rows: list[tuple[int, int, int, dict]], B: int, C: int) -> torch.Tensor:
+    def step(self, rows: list[tuple[list[int], int, int, dict]], B: int, C: int):
         """``run``'s step at batch bucket B and context bucket C chosen by the caller (on several
-        ranks every rank must use the same ones; a rank without rows runs padding) -> hidden
-        ``[B, H]``, the padding rows' after this rank's."""
+        ranks every rank must use the same ones; a rank without rows runs padding) -> what the
+        ``StaticDecoder`` returns for the ``B * span`` flat rows (``_inputs``)."""
         with self._rows():
             return self._fn(B, C)(*self._inputs(rows, B, C))
 
 
 def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor,
-                   hook=None) -> torch.Tensor:
+                   hook=None, spec: bool = False):
     """Hidden states ``[sum(num_tokens), H]`` of a scheduled batch (``ids``: its token ids on the
     host, ``tokens`` on the device; ``hook``: the forward's layer hook): all eager through
-    ``executor``, or with a graph ``runner`` its single-token rows (decode) through the runner
-    and the rest eager (prefill)."""
-    cache = executor.cache
-    one = [i for i, n in enumerate(batch.num_tokens) if n == 1] if runner is not None else []
-    if not one:
-        states = [cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs]
-        return executor.forward_batch(tokens, states, batch.num_tokens, layer_hook=hook)
-    m = executor.model
-    offs = [0, *accumulate(batch.num_tokens)]
-    hidden = torch.empty(tokens.shape[0], m.args.hidden_size, dtype=m.dtype, device=tokens.device)
-    rest = [i for i, n in enumerate(batch.num_tokens) if n != 1]
+    ``executor``, or with a graph ``runner`` its rows of up to ``runner.span`` tokens (decode; an
+    MTP engine's verify spans) through the runner and the rest eager (prefill).
+
+    ``spec``: an MTP step (``spec_graph``): returns (hidden, output streams ``[sum(num_tokens), n,
+    H]``), the MTP layer's input (``Transformer.forward_batch(streams=True)``).
+    """
+    cache, nums = executor.cache, batch.num_tokens
+    span = runner.span if runner is not None else 0
+    fast = [i for i, n in enumerate(nums) if n <= span]
+    rest = [i for i, n in enumerate(nums) if n > span]
+
+    def eager(tok: torch.Tensor, sel: list[int], **kw):
+        if spec:                        # a multi-rank executor's forward_batch returns no streams
+            kw["streams"] = True
+        states = [cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in sel]
+        return executor.forward_batch(tok, states, [nums[i] for i in sel], **kw)
+
+    if not fast:
+        return eager(tokens, rest, layer_hook=hook)
+    m, dev = executor.model, tokens.device
+    offs = [0, *accumulate(nums)]
+    shapes = [(m.args.hidden_size,), (m.args.hc_mult, m.args.hidden_size)][:1 + spec]
+    outs = [torch.empty(tokens.shape[0], *sh, dtype=dt, device=dev) for sh, dt in zip(shapes, (m.dtype, m.residual_dtype))]
+
+    def put(sel: list[int], got) -> None:
+        idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in sel]).to(dev)
+        for o, g in zip(outs, got if spec else (got,)):
+            if g is not None:           # a multi-rank leader's streams stay on each rank
+                o[idx] = g
+
     if rest:
-        idx = torch.cat([torch.arange(offs[i], offs[i + 1], device=tokens.device) for i in rest])
-        states = [cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in rest]
-        hidden[idx] = executor.forward_batch(tokens[idx], states, [batch.num_tokens[i] for i in rest])
-    held = [cache.seqs[batch.seqs[i].seq_id] for i in one]
-    rows = [(ids[offs[i]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(one, held)]
-    hidden[torch.tensor([offs[i] for i in one], device=tokens.device)] = executor.decode_rows(
-        runner, rows, [batch.seqs[i].seq_id for i in one])
-    return hidden
+        idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in rest]).to(dev)
+        put(rest, eager(tokens[idx], rest))
+    held = [cache.seqs[batch.seqs[i].seq_id] for i in fast]
+    rows = [(ids[offs[i]:offs[i + 1]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(fast, held)]
+    put(fast, executor.decode_rows(runner, rows, [batch.seqs[i].seq_id for i in fast]))
+    return tuple(outs) if spec else outs[0]
+
+
+def spec_graph(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor):
+    """An MTP step's graph forward for ``Executor.forward_spec`` (``forward_packed`` with
+    ``spec``), or None to run it eager: no runner, or on several ranks (``executor.rows_mode``)
+    a batch with a prefill chunk longer than the span (each rank keeps the streams of its graph
+    rows only, so a step is all graph or all eager there)."""
+    if runner is None or (executor.rows_mode is not None and max(batch.num_tokens) > runner.span):
+        return None
+    return lambda: forward_packed(executor, runner, batch, ids, tokens, spec=True)
 
 
 def _npugraph_ex(fn, cfg: ExecConfig):

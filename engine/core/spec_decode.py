@@ -15,8 +15,10 @@ comes from ``p`` without ``d``, renormalised (Leviathan et al. 2023, with ``q`` 
 What a rejected draft wrote is never read or is undone (``Rollback``): window ring rows past
 the accepted length lie in slots the ring (``ring_len >= sliding_window + next_n``) does not
 read again before they are rewritten; compressed entries and indexer keys past the accepted
-length lie past the entry counts (derived from the token count); compressor remainders are
-restored and the accepted rows replayed when a rejected token closed a window.
+length lie past the entry counts (derived from the token count) and past every later query's
+position until rewritten; compressor remainders are restored and, after an eager forward, the
+accepted rows replayed (``Rollback``; after a graph step restoring is enough: ``SpanRollback``)
+when a rejected token closed a window.
 
 The MTP layer keeps its own window ring (``PagedCache.mtp_win``). After each step it runs over
 the positions the trunk just computed (prefill: the prompt's last ``sliding_window`` only),
@@ -30,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from engine.config import CSA_RATIO, HCA_RATIO
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -115,6 +119,91 @@ class Rollback:
                     compressor(x[:n], start_pos, comp, out_dtype)     # its entries are already stored
 
 
+class SpanRollback:
+    """``Rollback`` for every verify span of one graph step (``StaticDecoder``), batched: each
+    compressor-state tensor of ``PagedCache.comp_stacks`` (all layers of a kind) is read once
+    when the step is made and written once when its spans are settled, whatever the batch and
+    layer count (per-request ``Rollback`` costs ~0.1 ms of host time per request and layer).
+
+    Restoring is enough, with no replay: a span of at most m tokens (``MAX_NEXT_N + 1 <=
+    CSA_RATIO``) closes at most one window per compressor, at position c. If c is accepted nothing
+    needs undoing. If c was rejected, every accepted token lies before c in its window and the
+    graph step wrote its row (it stores every token's row), which no later span token shares (rows
+    repeat every m positions). What the rejected tokens wrote is then their own rows and, at c,
+    CSA's previous-window ``Ca / Za``: restoring those to the saved values is what running only
+    the accepted tokens leaves. A rejected row after c, once restored, holds the position m
+    before it, older than L and so already stored.
+
+    Args:
+        cache: the pools (``PagedCache``). spans: ``(seq_id, state slot, L, span)`` of each request
+            verifying drafts (L its tokens before the step).
+    """
+
+    def __init__(self, cache, spans: list[tuple[object, int, int, int]]):
+        self.spans = {sid: (slot, L, n) for sid, slot, L, n in spans}
+        self.kept: dict = {}
+        self.done: set = set()
+        self.saved = []                      # (tensors, ratio, [seq_id], slots [n], rows [n, span], values)
+        dev = cache.device
+        for name, (_, tensors) in cache.comp_stacks.items():
+            m = HCA_RATIO if name == "c128" else CSA_RATIO
+            close = [(sid, slot, L, n) for sid, slot, L, n in spans if (L + n) // m != L // m]
+            if not close:
+                continue
+            T = max(n for *_, n in close)
+            slots = torch.tensor([slot for _, slot, _, _ in close], dtype=torch.long, device=dev)
+            rows = torch.tensor([[(L + min(j, n - 1)) % m for j in range(T)] for _, _, L, n in close],
+                                dtype=torch.long, device=dev)
+            vals = [t[:, slots[:, None], rows] for t in tensors]                  # [layers, n, T, width]
+            if m == CSA_RATIO:                  # previous window's Ca / Za (rows m .. 2m, first half)
+                vals += [t[:, slots, m:2 * m] for t in tensors]
+            self.saved.append((tensors, m, [c[0] for c in close], slots, rows, vals))
+
+    def settle(self, seq_id, kept: int) -> bool:
+        """Record that ``kept`` tokens of ``seq_id``'s span were accepted (False: not one of these
+        spans). Once every span is settled, ``apply``."""
+        if seq_id not in self.spans:
+            return False
+        self.kept[seq_id] = kept
+        if self.kept.keys() >= self.spans.keys():
+            self.apply()
+        return True
+
+    def drop(self, seq_id) -> None:
+        """``seq_id`` ended (its state is freed): nothing of its span is restored."""
+        self.spans.pop(seq_id, None)
+        self.kept.pop(seq_id, None)
+
+    def apply(self) -> None:
+        """Restore what the rejected tails of the spans settled so far wrote (each once); the
+        others wait for their ``settle``."""
+        todo = {sid: k for sid, k in self.kept.items() if sid not in self.done}
+        if not todo:
+            return
+        for tensors, m, sids, slots, rows, vals in self.saved:
+            pick, j_idx = [], []
+            for i, sid in enumerate(sids):
+                k = todo.get(sid)
+                if k is None or sid not in self.spans:
+                    continue
+                _, L, n = self.spans[sid]
+                if (L + k) // m != L // m:
+                    continue                 # the closing token was accepted
+                pick += [i] * (n - k)
+                j_idx += range(k, n)
+            if not pick:
+                continue
+            dev = slots.device
+            i_t, j_t = torch.tensor(pick, device=dev), torch.tensor(j_idx, device=dev)
+            for t, v in zip(tensors, vals):
+                t[:, slots[i_t], rows[i_t, j_t]] = v[:, i_t, j_t]
+            if m == CSA_RATIO:
+                p_t = torch.tensor(sorted(set(pick)), device=dev)
+                for t, v in zip(tensors, vals[2:]):
+                    t[:, slots[p_t], m:2 * m] = v[:, p_t]
+        self.done |= todo.keys()
+
+
 class SpecDecoder:
     """The engine's MTP drafting and verification (``LLMEngine.spec`` when next_n > 0).
 
@@ -141,16 +230,17 @@ class SpecDecoder:
             return max(0, min(self.next_n, room))
         return max(0, min(self.next_n, p.max_new_tokens - len(seq.output_ids) - 1, room))
 
-    def begin(self, batch) -> list:
-        """The batch's states for the trunk forward (``Executor.forward_spec``, which makes the
-        ``Rollback`` of each request verifying drafts)."""
+    def begin(self, batch, states: bool = True) -> list | None:
+        """Note the batch's rows for ``draft``; with ``states``, return the batch's states for an
+        eager trunk forward (``Executor.forward_spec``, which makes the ``Rollback`` of each
+        request verifying drafts; a graph step needs none: ~0.03 ms of host time per request and
+        layer)."""
         cache = self.engine.cache
-        states, self._rows, off = [], [], 0
+        self._rows, off = [], 0
         for s, n in zip(batch.seqs, batch.num_tokens):
-            states.append(cache.sequence_state(s.seq_id, s.num_computed))
             self._rows.append((s, off, s.num_computed))
             off += n
-        return states
+        return [cache.sequence_state(s.seq_id, s.num_computed) for s in batch.seqs] if states else None
 
     def accept(self, seq: "Sequence", sampled: list[int]) -> int:
         """Drafts of ``seq`` its rows' samples (``spec_k + 1`` of them) accept: the longest

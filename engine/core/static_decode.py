@@ -1,16 +1,28 @@
-"""Fixed-shape decode step over the paged pools: one token per sequence, no host syncs.
+"""Fixed-shape decode step over the paged pools: ``span`` tokens per sequence, no host syncs.
 
-The graph-capturable twin of ``Transformer.forward_batch`` for one token per sequence
-(reference/dsv4-architecture.md §3 for the math, §8.4 for graph mode). Every shape depends only
-on the bucket size B and the pool geometry, and every index (ring slot, entry slot, state slot) is
-computed on the device from positions and block tables, so the step can be captured as a CUDA
-graph, compiled by torch.compile / npugraph_ex and replayed. Data-dependent branches are masks: a
+The graph-capturable twin of ``Transformer.forward_batch`` for decode rows: one token per
+sequence, or an MTP verify span (below); reference/dsv4-architecture.md §3 for the math, §8.4
+for graph mode. Every shape depends only on the bucket size B and the pool geometry, and every
+index (ring slot, entry slot, state slot) is computed on the device from positions and block
+tables, so the step can be captured as a CUDA graph, compiled by torch.compile / npugraph_ex
+and replayed. Data-dependent branches are masks: a
 compressor window that does not close this step writes its pooled entry to the pool's trash row;
 attention and the indexer see every entry the tables can hold, masked to the causal ones. The
 tables are as wide as the step's context bucket (``DecodeRunner``), so that is O(context).
 
 Padding rows of a bucket use ``cache.pad_slot`` / ``cache.pad_win_blocks`` at position 0, so
 they write only scratch state. Letters: B rows, h heads, d head dim, W window, N entries, k top-k.
+
+A span of T > 1 tokens per sequence (an MTP verify step: the pending token and up to ``next_n``
+drafts, reference/upstream-parallel-and-mtp.md) is B * T flat rows, token j of sequence b at row
+``b * T + j`` with its own position and copy of the block tables; a sequence with fewer tokens
+fills the rest of its T rows with padding rows. Every op but the compressor is row-wise or masked
+by each row's position, so the flat rows run as one batch: the window ring takes all T writes
+before attention reads it (the ring holds ``sliding_window + next_n`` rows, so a later token of the
+span never overwrites a row an earlier one reads), and an entry a span token closes is visible
+only to rows at or past its position. The compressor's remainder is one state slot per sequence,
+so its T tokens update it in order (j = 0 .. T-1), as the eager path's verify sub-steps do
+(``engine.core.batched_decode.DecodeSpans``).
 """
 from __future__ import annotations
 
@@ -82,11 +94,17 @@ class StaticDecoder:
         multi_streams: run the compressors beside the query / KV projections on a side stream,
             and the shared expert beside the routed experts (§8.2); no-op on CPU.
         limit_core: A3 core budgets per stream (§8.3); needs ``multi_streams``.
+        span: tokens per sequence (T; an MTP engine's ``1 + next_n``, module docstring). With T > 1
+            the step also returns the output streams the MTP layer drafts from.
+    Raises:
+        ValueError: span past the CSA compress ratio (a span could close two windows of a slot).
     """
 
     def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, platform: Platform | None = None,
-                 multi_streams: bool = False, limit_core: bool = False):
-        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+                 multi_streams: bool = False, limit_core: bool = False, span: int = 1):
+        if not 1 <= span <= CSA_RATIO:
+            raise ValueError(f"StaticDecoder: span must be 1 .. {CSA_RATIO}, got {span}")
+        self.model, self.cache, self.max_model_len, self.span = model, cache, max_model_len, span
         self.platform = platform or detect("cpu")
         g = cache.geometry
         self.bs = g.block_size
@@ -118,38 +136,42 @@ class StaticDecoder:
             self.platform.join(self.side, *made_on_side)
 
     # ---- inputs ----------------------------------------------------------------------------
-    def tables(self, block_lists: list[dict[str, list[int]]], B: int, context: int | None = None
+    def tables(self, block_lists: list[dict[str, list[int]] | None], B: int, context: int | None = None
                ) -> dict[str, torch.Tensor]:
         """Block tables ``[B, width]`` int64 per pool from each row's block lists (host side);
-        rows past ``len(block_lists)`` are padding (scratch ring, block 0 elsewhere, masked).
-        ``context``: the context bucket (every row's position < context; None: max_model_len):
-        the entry tables hold the blocks of ``context`` tokens, so the step's attention and
-        indexer cost O(context), not O(max_model_len)."""
+        rows that are None or past ``len(block_lists)`` are padding (scratch ring, block 0
+        elsewhere, masked). ``context``: the context bucket (every row's position < context; None:
+        max_model_len): the entry tables hold the blocks of ``context`` tokens, so the step's
+        attention and indexer cost O(context), not O(max_model_len)."""
         g = self.cache.geometry
         widths = self.widths if context is None else {
             "win": self.widths["win"], "c4": g.blocks_needed("c4", context), "c128": g.blocks_needed("c128", context)}
+        pad = [i for i in range(B) if i >= len(block_lists) or block_lists[i] is None]
         out = {}
         for pool, w in widths.items():
             t = torch.zeros(B, max(w, 1), dtype=torch.long)
             for i, tables in enumerate(block_lists):
-                blocks = tables.get(pool, [])[:max(w, 1)]
+                blocks = [] if tables is None else tables.get(pool, [])[:max(w, 1)]
                 t[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-            if pool == "win":
-                t[len(block_lists):, :w] = torch.tensor(self.cache.pad_win_blocks, dtype=torch.long)
+            if pool == "win" and pad:
+                t[pad, :w] = torch.tensor(self.cache.pad_win_blocks, dtype=torch.long)
             out[pool] = t
         return out
 
     # ---- the step --------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, win_table: torch.Tensor,
-                 c4_table: torch.Tensor, c128_table: torch.Tensor) -> torch.Tensor:
-        """Run one token per row and update the pools.
+                 c4_table: torch.Tensor, c128_table: torch.Tensor):
+        """Run ``span`` flat rows per sequence (one token each) and update the pools.
 
         Args:
-            tokens, positions, slots: ``[B]`` int64 (token id, its position = tokens already in
-                the state, state slot). win_table / c4_table / c128_table: ``[B, width]`` int64.
+            tokens, positions, slots: ``[B * T]`` int64 (token id, its position = tokens already
+                in the state before it, state slot; padding: 0, 0, ``cache.pad_slot``).
+                win_table / c4_table / c128_table: ``[B * T, width]`` int64 (``tables``).
         Returns:
-            ``[B, H]`` final hidden states (after hc_head and the final norm), compute dtype.
+            ``[B * T, H]`` final hidden states (after hc_head and the final norm), compute dtype;
+            with T > 1 also the ``[B * T, n, H]`` output streams before hc_head (residual dtype:
+            the MTP layer's input, as ``Transformer.forward_batch(streams=True)``).
         """
         m, a = self.model, self.model.args
         tables = {"win": win_table, "c4": c4_table, "c128": c128_table}
@@ -159,7 +181,8 @@ class StaticDecoder:
         for i, layer in enumerate(m.layers):
             X = self._block(i, layer, X, tokens, positions, slots, tables, *rope[id(m._rope(layer.attn.ratio))])
         h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return m.norm(h).to(m.dtype)
+        h = m.norm(h).to(m.dtype)
+        return (h, X) if self.span > 1 else h
 
     def _block(self, i: int, layer: Block, X, tokens, positions, slots, tables, cos, sin):
         """``Block.forward`` (§3.2) with the static attention and MoE."""
@@ -176,11 +199,11 @@ class StaticDecoder:
         pool = "c4" if att.ratio == CSA_RATIO else "c128"
         with self._side(), self._cores(CORES_COMPRESSOR):
             if att.compressor is not None:      # entries written before attention reads them
-                self._compress(att.compressor, x, positions, slots, c.cmp_kv[i], c.comp[i], tables[pool],
-                               c.trash_row[pool], x.dtype)
+                self._compress_span(att.compressor, x, positions, slots, c.cmp_kv[i], c.comp[i], tables[pool],
+                                    c.trash_row[pool], x.dtype)
             if att.indexer is not None:
-                self._compress(att.indexer.compressor, x, positions, slots, c.idx_kv[i], c.idx_comp[i],
-                               tables["c4"], c.trash_row["c4"], c.idx_codec.dtype)
+                self._compress_span(att.indexer.compressor, x, positions, slots, c.idx_kv[i], c.idx_comp[i],
+                                    tables["c4"], c.trash_row["c4"], c.idx_codec.dtype)
         with self._cores(CORES_MAIN):
             c_q = att.q_norm(att.wq_a(x))
             q = att.wq_b(c_q).view(B, att.n_heads, att.head_dim)
@@ -204,17 +227,32 @@ class StaticDecoder:
                                    att.attn_sink, att.head_dim ** -0.5, bs, max_seqlen=bound)
         return att.out_proj(ops.rope(o, cos, -sin))              # o_proj TP inside under several ranks
 
-    def _compress(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
-        """``reference.compressor`` (§3.4) for one token per row: update the fp32 remainder in the
-        state slot, pool the window, and write the entry (or, when the window stays open, trash)."""
+    def _compress_span(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
+        """``reference.compressor`` (§3.4) for the step's rows: the projections of all rows at
+        once (the weights read once), then ``_compress`` for token j = 0 .. T-1 of every sequence
+        in order, its T rows sharing one state slot (module docstring)."""
+        xf = comp.wkv.quant_input(x).float()
+        r = positions % comp.ape.shape[0]
+        kv = comp.ops.linear(xf, comp.wkv.dense_weight(torch.float32))
+        score = comp.ops.linear(xf, comp.wgate.dense_weight(torch.float32)) + comp.ape.float()[r]
+        T = self.span
+        if T == 1:
+            return self._compress(comp, kv, score, positions, slots, pool, state, table, trash, out_dtype)
+        for j in range(T):
+            self._compress(comp, kv[j::T], score[j::T], positions[j::T], slots[j::T], pool, state, table[j::T],
+                           trash, out_dtype)
+
+    def _compress(self, comp: Compressor, kv, score, positions, slots, pool, state, table, trash: int, out_dtype):
+        """One token per row (its projections ``kv`` / ``score`` ``[B, width]`` fp32, score with
+        ape): update the fp32 remainder in the state slot, pool the window, and write the entry
+        (or, when the window stays open, trash)."""
         m, width = comp.ape.shape
         overlap = m == CSA_RATIO
         d = width // 2 if overlap else width
         skv, ssc = state
-        xf = comp.wkv.quant_input(x).float()
         r = positions % m
-        skv[slots, r] = comp.ops.linear(xf, comp.wkv.dense_weight(torch.float32))
-        ssc[slots, r] = comp.ops.linear(xf, comp.wgate.dense_weight(torch.float32)) + comp.ape.float()[r]
+        skv[slots, r] = kv
+        ssc[slots, r] = score
         cur_kv, cur_sc = skv[slots, :m], ssc[slots, :m]                         # [B, m, width]
         closing = (r == m - 1)[:, None, None]
         if overlap:

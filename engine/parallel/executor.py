@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+from itertools import accumulate
 
 import torch
 
@@ -55,15 +56,28 @@ class RankExecutor(Executor):
         super().__init__(model, cache)
         self.cp_prefill, self.rows_mode = cp_prefill, rows_mode
 
-    def decode_graph(self, runner, rows: list, B: int, C: int) -> torch.Tensor:
+    def decode_graph(self, runner, rows: list, B: int, C: int, spec: list | None = None) -> torch.Tensor:
         """Every rank: its graph decode rows at the buckets the leader chose (none: padding, still
-        every collective) -> ``[B, H]``; under attention DP every rank's ``[B, H]`` in rank order
-        ``[world * B, H]`` (one all_to_all of fixed counts, outside the captured step)."""
+        every collective) -> ``[B * span, H]`` (``DecodeRunner.step``'s flat rows); under attention
+        DP every rank's in rank order ``[world * B * span, H]`` (one all_to_all of fixed counts,
+        outside the captured step).
+
+        ``spec``: an MTP step's ``[seq_id, spec_k]`` per row: first the ``SpanRollback`` of the
+        rows verifying drafts, then this rank's output streams kept for ``draft`` (as
+        ``Executor.forward_spec`` does for an eager step)."""
+        if spec is not None:
+            self.begin_spans(rows, [sid for sid, _ in spec], dict(spec))
         h = runner.step(rows, B, C)
+        if spec is not None:
+            h, streams = h
+            T = runner.span
+            self.streams = streams[torch.tensor([b * T + j for b, r in enumerate(rows) for j in range(len(r[0]))],
+                                                dtype=torch.long, device=streams.device)]
+            self.offsets = dict(zip((sid for sid, _ in spec), accumulate((len(r[0]) for r in rows), initial=0)))
         if self.rows_mode != "dp":
             return h
         g = self.model.parallel.groups["moe"]
-        return gather_rows(h, g, [B] * g.size)[0]
+        return gather_rows(h, g, [h.shape[0]] * g.size)[0]            # B * span rows on every rank
 
     def forward_dp(self, tokens: torch.Tensor, states: list, lengths: list[int], seq_ids: list | None = None,
                    spec_ks: list[int] | None = None) -> torch.Tensor:
@@ -173,9 +187,18 @@ class LeaderExecutor(RankExecutor):
                 return self._forward(tokens, states, lengths, layer_hook)
             return self._with_cp(cp, tokens, states, lengths, layer_hook)
 
-    def forward_spec(self, tokens, states, lengths, seq_ids, spec_ks, layer_hook=None) -> torch.Tensor:
+    def forward_spec(self, tokens, states, lengths, seq_ids, spec_ks, layer_hook=None, graph=None) -> torch.Tensor:
         """As ``Executor.forward_spec`` on every rank (under attention DP, each request's rows on
-        its owner rank; the hidden rows other than each request's last ``1 + spec_ks[i]`` are zero)."""
+        its owner rank; the hidden rows other than each request's last ``1 + spec_ks[i]`` are zero).
+        ``graph``: the engine's graph step (``forward_packed``; every row a verify span, as
+        ``LLMEngine`` arranges on several ranks), whose ``decode_rows`` sends the spans with their
+        ``spec_ks``, so every rank makes its own rollbacks and keeps its own streams."""
+        if graph is not None:
+            self.spans, self._spec = None, dict(zip(seq_ids, spec_ks))
+            try:
+                return graph()[0]
+            finally:
+                self._spec = None
         with self._failing("forward"):
             if self.dp_size > 1:
                 return self._forward_dp(tokens, states, lengths, layer_hook, spec_ks)
@@ -208,23 +231,33 @@ class LeaderExecutor(RankExecutor):
                 out[i] = row[:plan[i].want]
             return out
 
-    def decode_rows(self, runner, rows: list, seq_ids: list) -> torch.Tensor:
+    def decode_rows(self, runner, rows: list, seq_ids: list):
         """As ``Executor.decode_rows`` over the ranks: under attention DP each row on its owner
         rank, else every row on every rank; every rank at the same (batch, context) buckets, the
-        largest any rank needs."""
+        largest any rank needs. In an MTP step (``forward_spec`` with ``graph``) the rows are
+        verify spans and each rank gets its rows' ``spec_k``: returns (hidden, None), the streams
+        staying on each rank (``decode_graph``)."""
         with self._failing("decode"):
             mine = ([[i for i, sid in enumerate(seq_ids) if self.cache.rank_of(sid) == r] for r in range(self.dp_size)]
                     if self.dp_size > 1 else [list(range(len(rows)))])
             parts = [[list(rows[i]) for i in m] for m in mine]
+            spec = None if self._spec is None else [[[seq_ids[i], self._spec[seq_ids[i]]] for i in m] for m in mine]
             B = runner.bucket(max(len(p) for p in parts))
-            C = runner.context_bucket(max(r[1] for r in rows) + 1)
-            self._send({"op": "decode", "parts": parts[1:] if self.dp_size > 1 else parts, "B": B, "C": C}, [])
-            h = self.decode_graph(runner, parts[0], B, C)
-            out = h.new_empty(len(rows), h.shape[1])
+            C = runner.context_bucket(max(r[1] + len(r[0]) for r in rows))
+            head = {"op": "decode", "parts": parts[1:] if self.dp_size > 1 else parts, "B": B, "C": C}
+            if spec is not None:
+                head["spec"] = spec[1:] if self.dp_size > 1 else spec
+            self._send(head, [])
+            h = self.decode_graph(runner, parts[0], B, C, None if spec is None else spec[0])
+            # rank r's row b holds flat rows (r * B + b) * span ..; the caller wants the rows' tokens in order
+            T, offs, src, dst = runner.span, [0, *accumulate(len(r[0]) for r in rows)], [], []
             for r, m in enumerate(mine):
-                if m:
-                    out[torch.tensor(m, device=h.device)] = h[r * B:r * B + len(m)]
-            return out
+                for b, i in enumerate(m):
+                    src += range((r * B + b) * T, (r * B + b) * T + len(rows[i][0]))
+                    dst += range(offs[i], offs[i + 1])
+            out = h.new_empty(offs[-1], h.shape[1])
+            out[torch.tensor(dst, device=h.device)] = h[torch.tensor(src, device=h.device)]
+            return out if spec is None else (out, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with self._failing("logits"):

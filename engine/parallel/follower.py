@@ -61,8 +61,9 @@ def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0, runner=Non
                 else:
                     ex.draft([DraftRow(*r) for r in head["plan"]], head["steps"])
             elif kind == "decode":
-                p = head["parts"][rank - 1] if ex.rows_mode == "dp" else head["parts"][0]
-                ex.decode_graph(runner, p, head["B"], head["C"])
+                i = rank - 1 if ex.rows_mode == "dp" else 0
+                spec = head["spec"][i] if "spec" in head else None
+                ex.decode_graph(runner, head["parts"][i], head["B"], head["C"], spec)
             elif kind == "logits":
                 ex.logits(decode(head["hidden"], frames[k]))
             elif kind == "cp":

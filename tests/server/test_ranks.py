@@ -12,12 +12,12 @@ from engine.build import build_engine, check_min_ranks
 from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
-from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout, sequence_state_tensors
-from engine.parallel.follower import follow
+from engine.parallel.executor import sequence_state_tensors
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import free_port
 from server.launch.ranks import RankError, rank_env
+from rank_pair import pools_equal, rank_pair, sync
 
 CONFIG = "configs/tiny-flash.yaml"
 
@@ -115,68 +115,12 @@ def test_leader_refuses_a_follower_with_another_layout():
 # ---- replay -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair(ckpt):
-    yield from _pair(ckpt, CONFIG)
+    yield from rank_pair(ckpt, CONFIG)
 
 
 @pytest.fixture(scope="module")
 def mtp_pair(ckpt):
-    yield from _pair(ckpt, "configs/tiny-flash-mtp.yaml")
-
-
-def _pair(ckpt, config: str):
-    """A leader engine with a LeaderExecutor and a follower engine replaying it on a thread
-    (world 1 models: no collectives, so this checks the replay alone)."""
-    cfg = RunConfig.from_yaml(config)
-    port = free_port()
-    link = LeaderLink("127.0.0.1", port, 2)
-    leader = build_engine(cfg, ckpt, progress=False, executor=lambda m, c: LeaderExecutor(m, c, link))
-    follower = build_engine(cfg, ckpt, progress=False, executor=RankExecutor)
-    box = {}
-    th = threading.Thread(target=lambda: box.update(link=FollowerLink("127.0.0.1", port, 1, cache_layout(follower))))
-    th.start()
-    link.wait_followers(cache_layout(leader), startup_s=30)
-    th.join()
-    mirror = leader.executor
-    count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.executor.logits, link.send
-
-    def sent(header, frames=(), to=None):
-        count["sent"] += header["op"] == "logits"
-        send(header, frames, to)
-
-    def seen(hidden):                     # the follower has replayed everything up to this call
-        out = logits(hidden)
-        with cond:
-            count["seen"] += 1
-            cond.notify_all()
-        return out
-    link.send, follower.executor.logits = sent, seen      # the replayed logits calls (not a draft's)
-
-    def replayed() -> bool:
-        with cond:
-            return cond.wait_for(lambda: count["seen"] == count["sent"], timeout=30)
-    mirror.replayed = replayed
-    runner = threading.Thread(target=follow, args=(follower.executor, box["link"]), daemon=True)
-    runner.start()
-    yield leader, follower, mirror
-    mirror.stop()
-    runner.join(10)
-    link.close()
-    box["link"].close()
-
-
-def _sync(mirror):
-    """Flush pending cache calls with a logits call and wait until the follower has replayed
-    it (and so everything sent before it, in order)."""
-    mirror.logits(torch.zeros(1, mirror.model.args.hidden_size))
-    assert mirror.replayed(), "the follower did not replay within 30 s"
-
-
-def _pools_equal(a, b):
-    ta, tb = a.tensors(), b.tensors()
-    assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
-    assert {k: v.state_slot for k, v in a.seqs.items()} == {k: v.state_slot for k, v in b.seqs.items()}
-    assert {k: v.tables for k, v in a.seqs.items()} == {k: v.tables for k, v in b.seqs.items()}
-    assert a.num_free() == b.num_free()
+    yield from rank_pair(ckpt, "configs/tiny-flash-mtp.yaml")
 
 
 def test_follower_pools_equal_the_leaders_through_prefill_decode_and_frees(pair):
@@ -190,11 +134,11 @@ def test_follower_pools_equal_the_leaders_through_prefill_decode_and_frees(pair)
     leader.add_request("held", prompts[0][:200], held, hold_state=True)
     while leader.has_unfinished():
         leader.step()
-        _sync(mirror)
-        _pools_equal(leader.cache, follower.cache)
+        sync(mirror)
+        pools_equal(leader.cache, follower.cache)
     leader.release("held")
-    _sync(mirror)
-    _pools_equal(leader.cache, follower.cache)
+    sync(mirror)
+    pools_equal(leader.cache, follower.cache)
     assert leader.num_free_blocks() == leader.num_total_blocks()
 
 
@@ -213,8 +157,8 @@ def test_a_follower_replays_mtp_verify_rollback_and_drafts(mtp_pair, reference):
     while leader.has_unfinished():
         for out in leader.step():
             done[out.request_id] += out.new_token_ids
-        _sync(mirror)
-        _pools_equal(leader.cache, follower.cache)
+        sync(mirror)
+        pools_equal(leader.cache, follower.cache)
     assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
     want = reference.generate(prompts, params)
     assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]
@@ -232,14 +176,14 @@ def test_follower_replays_an_imported_state(pair, reference):
     leader.reserve("imp", prompt, params)
     leader.load_state("imp", tensors)
     leader.commit("imp", seq.output_ids[0])
-    _sync(mirror)
+    sync(mirror)
     assert set(state_tensors(follower.cache, "imp", 150)) == set(tensors)
     for k, v in state_tensors(follower.cache, "imp", 150).items():
         assert torch.equal(v, tensors[k]), k
     while leader.has_unfinished():
         leader.step()
-    _sync(mirror)
-    _pools_equal(leader.cache, follower.cache)
+    sync(mirror)
+    pools_equal(leader.cache, follower.cache)
     assert out
 
 
