@@ -136,7 +136,7 @@ def _graph_step(model, eng, rec: OpRecorder, syncs: SyncCounter) -> dict:
     from engine.platform import detect
 
     runner = DecodeRunner(model, eng.cache, eng.limits.max_model_len, eng.limits.batch_size, detect("cpu"),
-                          ExecConfig(exe_mode="npugraph_ex"))
+                          ExecConfig(exe_mode="npugraph_ex"), span=1 + eng.cache.config.next_n)
     B = runner.buckets[-1]
     inputs = runner._inputs([], B, runner.contexts[-1])
     rec.reset()

@@ -5,14 +5,16 @@ from eager (top-20 logprobs of every sampled position), and whether the greedy t
 Run by ``deploy/device-check``; on a CUDA machine it finishes in a few minutes.
 
     python deploy/device_check.py [--device auto|cuda:0|npu:0|cpu] [--dtype float32|bfloat16]
-                                  [--modes eager,static,graph,graph+streams] [--steps 64]
+                                  [--modes eager,static,graph,graph+streams] [--steps 64] [--next-n 0]
 
 On CUDA it then times the FP8 block-scaled GEMM (``engine.ops.cuda``) against the reference op at
 real Flash linear shapes.
 
 Modes: ``eager`` (Transformer.forward_batch), ``static`` (the fixed-shape step run eagerly: the
 graph mode's math), ``graph`` (CUDA graphs / npugraph_ex / torch.compile on CPU), and
-``graph+streams`` (graph with enable_multi_streams).
+``graph+streams`` (graph with enable_multi_streams). ``--next-n`` > 0 runs every mode with MTP
+(the graph modes verify the spans of ``1 + next_n`` tokens in the graph step; a step time is then
+that of one verify step, drafts included).
 """
 from __future__ import annotations
 
@@ -38,13 +40,13 @@ from engine.checkpoint.loader import load_model  # noqa: E402
 MAX_LEN = 2048
 
 
-def run_mode(model, plat, mode: str, batch: int, prompts, steps: int):
+def run_mode(model, plat, mode: str, batch: int, prompts, steps: int, next_n: int = 0):
     eng = LLMEngine.build(model, block_size=64, batch_size=batch, max_prefill_tokens=4096, max_model_len=MAX_LEN,
-                          num_kv_blocks=64 * batch, num_reserved_decode_tokens=0)
+                          num_kv_blocks=64 * batch, num_reserved_decode_tokens=0, next_n=next_n)
     warm = 0.0
     if mode != "eager":
         cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=mode.endswith("+streams"))
-        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch, plat, cfg)
+        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch, plat, cfg, span=1 + next_n)
         if mode == "static":
             eng.runner.use_eager()
         t = time.perf_counter()
@@ -56,7 +58,8 @@ def run_mode(model, plat, mode: str, batch: int, prompts, steps: int):
     outs: dict[str, list] = {f"r{i}": [] for i in range(batch)}
     step_s = []
     while eng.has_unfinished():
-        decode = all(s.num_pending == 1 and s.num_computed > 0 for s in eng.scheduler.running) and eng.scheduler.running
+        decode = all(s.num_pending <= 1 + next_n and s.num_computed > 0 for s in eng.scheduler.running) and \
+            eng.scheduler.running
         plat.synchronize()
         t = time.perf_counter()
         got = eng.step()
@@ -124,16 +127,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=600)
+    ap.add_argument("--next-n", type=int, default=0, help="MTP drafts per step (0 .. 3)")
     a = ap.parse_args(argv)
     plat = detect(a.device)
     plat.activate()
     modes = a.modes.split(",")
     print(f"device-check: {plat.kind} {plat.device} ({torch.cuda.get_device_name(plat.device) if plat.kind == 'cuda' else ''}) "
-          f"torch {torch.__version__}, dtype {a.dtype}, modes {modes}", flush=True)
+          f"torch {torch.__version__}, dtype {a.dtype}, modes {modes}, next_n {a.next_n}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_tiny("flash", 0, Path(d) / "tiny")
         model = load_model(ckpt, dtype=getattr(torch, a.dtype), device=plat.device, ops=ops_for(plat.kind),
-                           progress=False)
+                           progress=False, mtp=a.next_n > 0)
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in a.batches.split(",")]
     prompts = [torch.randint(2, model.args.vocab_size, (a.prompt_len + 37 * i,), generator=g).tolist()
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
         ref = None
         for mode in modes:
             model.configure(None, plat, mode.endswith("+streams"))
-            outs, step, warm = run_mode(model, plat, mode, batch, prompts, a.steps)
+            outs, step, warm = run_mode(model, plat, mode, batch, prompts, a.steps, a.next_n)
             if ref is None:
                 ref = outs
             worst, same = compare(ref, outs)

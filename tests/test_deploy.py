@@ -275,11 +275,12 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
 
 
-def test_device_check_runs_on_cpu():
+@pytest.mark.parametrize("next_n", ["0", "3"])
+def test_device_check_runs_on_cpu(next_n):
     """deploy/device-check (written for CUDA / Ascend) on CPU with the uncompiled graph math: it
-    prints a row per mode and batch and reports equal tokens."""
+    prints a row per mode and batch and reports equal tokens, also with MTP verify spans."""
     r = subprocess.run([str(DEPLOY / "device-check"), "--device", "cpu", "--modes", "eager,static", "--batches", "2",
-                        "--steps", "4", "--prompt-len", "130"], cwd=ROOT, env=_env(PYTHON=sys.executable),
+                        "--steps", "4", "--prompt-len", "130", "--next-n", next_n], cwd=ROOT, env=_env(PYTHON=sys.executable),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith(("eager ", "static "))]
