@@ -7,6 +7,7 @@ cache that the graph decode worker (tests/server/test_pd_graph.py) reads when it
 test has finished (whether it does depends on how pytest-xdist hands out files), so an empty cache (CI)
 can compile it once. ``GRAPH_THREADS``: the torch intra-op threads both compile under,
 so the two see the same kernels (a worker's default is the machine's cores over its workers).
+``assert_close_outputs``: the graph tests' comparison of a graph engine's outputs with eager's.
 """
 from __future__ import annotations
 
@@ -18,6 +19,24 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH_THREADS = 1
+# logprob tolerance: the static step sums the same fp32 terms in another order (masked padding
+# entries, experts by slot instead of by id); greedy tokens must still be identical
+LOGPROB_ATOL = 1e-4
+
+
+def assert_close_outputs(got, want, atol: float = LOGPROB_ATOL) -> float:
+    """Two engines' ``Sequence`` outputs: the same token ids and top-logprob ids, every logprob
+    (sampled and top) within ``atol``. Returns the largest difference."""
+    worst = 0.0
+    for x, y in zip(got, want):
+        assert x.output_ids == y.output_ids
+        for p, q in zip(x.logprobs, y.logprobs):
+            worst = max(worst, abs(p.logprob - q.logprob))
+            assert [t for t, _ in p.top_logprobs] == [t for t, _ in q.top_logprobs]
+            for (_, u), (_, v) in zip(p.top_logprobs, q.top_logprobs):
+                worst = max(worst, abs(u - v))
+    assert worst <= atol, worst
+    return worst
 
 
 def graph_run_config(exe_mode: str = "npugraph_ex") -> dict:

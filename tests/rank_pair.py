@@ -76,3 +76,27 @@ def pools_equal(a, b):
     assert {k: v.state_slot for k, v in a.seqs.items()} == {k: v.state_slot for k, v in b.seqs.items()}
     assert {k: v.tables for k, v in a.seqs.items()} == {k: v.tables for k, v in b.seqs.items()}
     assert a.num_free() == b.num_free()
+
+
+def replay_mtp_requests(pair, reference) -> None:
+    """Three MTP requests (greedy and sampled; one prompt past the 128-token window) on the
+    leader of ``pair`` (``rank_pair``): after every step the follower's pools, MTP rings included,
+    equal the leader's; drafts were verified, no rollback is left, and the tokens are
+    ``reference``'s (an in-process next_n 0 engine)."""
+    from engine.core.sampling_params import SamplingParams
+    leader, follower, mirror = pair
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1000, 60000, (n,), generator=gen).tolist() for n in (131, 20, 64)]
+    params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 0.8, 1.0))]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        leader.add_request(f"m{i}", p, sp)
+    done = {f"m{i}": [] for i in range(3)}
+    while leader.has_unfinished():
+        for out in leader.step():
+            done[out.request_id] += out.new_token_ids
+        sync(mirror)
+        pools_equal(leader.cache, follower.cache)
+    assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
+    want = reference.generate(prompts, params)
+    assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]

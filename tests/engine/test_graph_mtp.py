@@ -15,8 +15,8 @@ from engine.core.llm_engine import LLMEngine
 from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.sampling_params import SamplingParams
 from engine.platform import detect
+from graph_cfg import assert_close_outputs
 
-LOGPROB_ATOL = 1e-4          # as test_graph_decode: the static step sums in another order
 MAX_LEN = 512
 
 
@@ -43,17 +43,6 @@ def _run(eng: LLMEngine, prompts, params):
     return out
 
 
-def _assert_close(got, want):
-    worst = 0.0
-    for g, w in zip(got, want):
-        assert g.output_ids == w.output_ids
-        for p, q in zip(g.logprobs, w.logprobs):
-            worst = max(worst, abs(p.logprob - q.logprob))
-            assert [t for t, _ in p.top_logprobs] == [t for t, _ in q.top_logprobs]
-    assert worst <= LOGPROB_ATOL, worst
-    return worst
-
-
 def _prompts(n: int, seed: int, lens=(118, 9, 61, 3)):
     rng = random.Random(seed)
     return [[rng.randrange(1000, 60000) for _ in range(lens[i % len(lens)])] for i in range(n)]
@@ -74,7 +63,7 @@ def test_graph_verify_equals_the_eager_mtp_engine(agree, next_n):
     run = eng.runner.run
     eng.runner.run = lambda rows: calls.append([len(r[0]) for r in rows]) or run(rows)
     got = _run(eng, prompts, params)
-    worst = _assert_close(got, want)
+    worst = assert_close_outputs(got, want)
     st = eng.spec.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     assert max(max(c) for c in calls) == 1 + next_n and any(1 in c for c in calls)
@@ -91,7 +80,7 @@ def test_graph_verify_with_rejected_drafts_and_preemption_equals_next_n_0(tiny_c
     want = _run(_engine(model, 0, graph=False, num_kv_blocks=40), prompts, params)
     eng = _engine(model, 3, graph=True, num_kv_blocks=40)
     got = _run(eng, prompts, params)
-    _assert_close(got, want)
+    assert_close_outputs(got, want)
     assert eng.spec.stats.num_drafts > 0
 
 
@@ -125,27 +114,11 @@ def test_a_follower_replays_graph_verify_steps(graph_mtp_pair, reference):
     own rollbacks and keeps its own streams for the draft step, so the follower's pools, MTP rings
     included, equal the leader's after every step; a step holding a prefill chunk runs eager on
     both; the tokens are the eager next_n 0 engine's."""
-    from rank_pair import pools_equal, sync
-    leader, follower, mirror = graph_mtp_pair
-    spans = []
-    step = follower.runner.step
-    follower.runner.step = lambda rows, B, C: spans.append([len(r[0]) for r in rows]) or step(rows, B, C)
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1000, 60000, (n,), generator=gen).tolist() for n in (131, 20, 64)]
-    params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
-              for i, t in enumerate((0.0, 0.8, 1.0))]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        leader.add_request(f"m{i}", p, sp)
-    done = {f"m{i}": [] for i in range(3)}
-    while leader.has_unfinished():
-        for out in leader.step():
-            done[out.request_id] += out.new_token_ids
-        sync(mirror)
-        pools_equal(leader.cache, follower.cache)
-    assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
+    from rank_pair import replay_mtp_requests
+    spans, step = [], graph_mtp_pair[1].runner.step
+    graph_mtp_pair[1].runner.step = lambda rows, B, C: spans.append([len(r[0]) for r in rows]) or step(rows, B, C)
+    replay_mtp_requests(graph_mtp_pair, reference)
     assert spans and max(max(s) for s in spans) == 4                # spans of 1 + next_n 3 on the follower
-    want = reference.generate(prompts, params)
-    assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]
 
 
 def test_span_rollback_restores_the_rejected_rows_of_each_settled_span(agree):

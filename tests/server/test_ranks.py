@@ -17,7 +17,7 @@ from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import free_port
 from server.launch.ranks import RankError, rank_env
-from rank_pair import pools_equal, rank_pair, sync
+from rank_pair import pools_equal, rank_pair, replay_mtp_requests, sync
 
 CONFIG = "configs/tiny-flash.yaml"
 
@@ -146,22 +146,7 @@ def test_a_follower_replays_mtp_verify_rollback_and_drafts(mtp_pair, reference):
     """next_n 3: the verify spans' rollbacks (``settle``) and the MTP catch-up / chained drafts
     (``draft``) replay on the follower: its pools, MTP rings included, equal the leader's after
     every step, and the tokens are the next_n 0 engine's."""
-    leader, follower, mirror = mtp_pair
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1000, 60000, (n,), generator=gen).tolist() for n in (131, 20, 64)]
-    params = [SamplingParams(max_new_tokens=12, temperature=t, seed=i, ignore_eos=True)
-              for i, t in enumerate((0.0, 0.8, 1.0))]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        leader.add_request(f"m{i}", p, sp)
-    done = {f"m{i}": [] for i in range(3)}
-    while leader.has_unfinished():
-        for out in leader.step():
-            done[out.request_id] += out.new_token_ids
-        sync(mirror)
-        pools_equal(leader.cache, follower.cache)
-    assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
-    want = reference.generate(prompts, params)
-    assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]
+    replay_mtp_requests(mtp_pair, reference)
 
 
 def test_follower_replays_an_imported_state(pair, reference):
