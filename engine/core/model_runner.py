@@ -291,6 +291,9 @@ def spec_graph(executor, runner: "DecodeRunner | None", batch, ids: list[int], t
     rows only, so a step is all graph or all eager there)."""
     if runner is None or (executor.rows_mode is not None and max(batch.num_tokens) > runner.span):
         return None
+    want = 1 + runner.cache.config.next_n
+    if runner.span != want:           # a longer verify span would run eager with no rollback
+        raise ValueError(f"an MTP engine's graph runner needs span 1 + next_n = {want}, got {runner.span}")
     return lambda: forward_packed(executor, runner, batch, ids, tokens, spec=True)
 
 

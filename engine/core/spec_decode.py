@@ -250,10 +250,11 @@ class SpecDecoder:
     def settle(self, seq: "Sequence", kept: int) -> None:
         """``kept`` (>= 1) tokens of ``seq``'s verify span were appended (fewer than accepted + 1
         when one finished the request): the state counts the span's first ``kept`` tokens, is
-        rolled back past them (``Executor.settle``, on the ranks holding it), and the drafts kept
-        are counted."""
+        rolled back past them (``Executor.settle``, on the ranks holding it; not when the request
+        finished inside the span and its state is already freed: under attention DP no rank holds
+        it any more), and the drafts kept are counted."""
         drafts = seq.draft_ids[: seq.spec_k]
-        if seq.spec_k:
+        if seq.spec_k and seq.seq_id in self.engine.cache.seqs:
             self.engine.executor.settle(seq.seq_id, kept)
         seq.num_computed += kept - 1
         if drafts:

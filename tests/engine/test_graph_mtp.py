@@ -6,6 +6,7 @@ traces as one graph."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,10 +97,15 @@ def test_the_span_step_traces_as_one_graph(agree):
     assert torch.isfinite(hidden).all()
 
 
-def test_a_span_past_the_csa_ratio_is_refused(agree):
+def test_a_span_past_the_csa_ratio_or_not_1_plus_next_n_is_refused(agree):
+    from engine.core.model_runner import spec_graph
     eng = _engine(agree, 1, graph=False)
     with pytest.raises(ValueError, match="span must be 1 .. 4"):
         DecodeRunner(agree, eng.cache, MAX_LEN, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"), span=5)
+    short = DecodeRunner(agree, eng.cache, MAX_LEN, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+    batch = SimpleNamespace(num_tokens=[2])
+    with pytest.raises(ValueError, match="span 1 \\+ next_n = 2, got 1"):
+        spec_graph(eng.executor, short, batch, [5, 6], torch.tensor([5, 6]))
 
 
 @pytest.fixture(scope="module")

@@ -198,3 +198,22 @@ def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeyp
     assert eng.spec.stats.num_accepted_tokens > 0
     per_sequence = True
     assert run()[0] == batched
+
+
+def test_a_request_finishing_inside_an_accepted_run_is_not_settled_after_its_free(model):
+    """Accepted drafts end a request (max_new_tokens reached inside the kept run): its state is
+    freed by the finish, so no rank holds it (under attention DP ``rank_of`` would raise) and the
+    executor is never asked to roll it back; the outputs are next_n 0's."""
+    eng = LLMEngine.build(model, block_size=16, batch_size=4, max_prefill_tokens=64, max_model_len=256,
+                          num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=3)
+    settled, settle = [], eng.executor.settle
+
+    def checked(seq_id, kept):
+        assert seq_id in eng.cache.seqs, f"settle of {seq_id} after its state was freed"
+        settled.append(seq_id)
+        settle(seq_id, kept)
+    eng.executor.settle = checked
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = eng.generate(PROMPTS, params)
+    assert [s.output_ids for s in got] == _run(model, 0, params)[0]
+    assert settled and eng.spec.stats.num_accepted_tokens > 0
