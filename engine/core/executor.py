@@ -53,6 +53,7 @@ class Executor:
     def free(self, seq_id) -> None:
         """Return everything ``seq_id`` holds (none: nothing happens)."""
         self._restore()
+        self.rollbacks.pop(seq_id, None)            # a request that ended inside its span: nothing to undo
         if self.spans is not None:
             self.spans.drop(seq_id)
         self.cache.free(seq_id)
