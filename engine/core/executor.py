@@ -80,11 +80,12 @@ class Executor:
                      graph: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """A step of an MTP engine: ``forward_batch`` with its output streams kept for ``draft``,
         and a ``Rollback`` made first for each sequence verifying drafts (``spec_ks[i]`` > 0) for
-        ``settle``. ``graph``: the step run instead with a graph runner (``forward_packed`` with
-        ``states``: every verify span through the graph step) -> (hidden, streams). Returns hidden
+        ``settle``. ``graph``: the step run instead with a graph runner (``model_runner.spec_graph``:
+        every verify span through the graph step, whose ``decode_rows`` makes the step's
+        ``SpanRollback``) -> (hidden, streams). Returns hidden
         ``[sum(lengths), H]``. Raises ValueError as ``forward_batch``."""
         self.spans = None
-        if graph is not None:            # its decode_rows makes the step's SpanRollback
+        if graph is not None:
             self.rollbacks, self._spec = {}, dict(zip(seq_ids, spec_ks))
             try:
                 hidden, streams = graph()
@@ -110,7 +111,7 @@ class Executor:
         (``spec_decode.run_drafts``). Returns each plan row's drafts."""
         return run_drafts(self.model, self.pools, self.streams, self.offsets, plan, steps)
 
-    def decode_rows(self, runner, rows: list[tuple[int, int, int, dict]], seq_ids: list) -> torch.Tensor:
+    def decode_rows(self, runner, rows: list[tuple[list[int], int, int, dict]], seq_ids: list):
         """Rows through a graph ``runner`` (``DecodeRunner.run``'s rows; ``seq_ids``: whose they
         are) -> hidden ``[n, H]`` of their n tokens (an MTP step: and their streams); the states
         advance. In an MTP step (``forward_spec`` with ``graph``) a ``SpanRollback`` is made first."""

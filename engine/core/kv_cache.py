@@ -27,8 +27,8 @@ class PagedCache(BlockManager):
     ``n_c4 * bs + 1`` (CSA) or ``n_c128 * bs + 1`` (HCA) rows of d; idx_kv[l] ``n_c4 * bs + 1``
     rows of dI; fp32 tensors comp_kv / comp_score[l]
       ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
-      2*dI]`` fp32 (CSA layers), views of ``comp_stacks`` (kind -> (its layers, (kv, score)
-      ``[layers, max_seqs + 1, rows, width]``)).
+      2*dI]`` fp32 (CSA layers), views of ``comp_stacks`` (kind -> (compress ratio, (kv, score)
+      ``[its layers, max_seqs + 1, rows, width]``)).
 
     Past the managed blocks each pool has a scratch part no request ever holds, for fixed-shape
     (graph) decode: ``pad_slot`` (a state slot) and ``pad_win_blocks`` (a window ring) for the
@@ -58,14 +58,14 @@ class PagedCache(BlockManager):
         # compressor states: one (kv, score) pair of tensors per kind for all its layers, each
         # layer's a view, so a graph verify step's rollback (spec_decode.SpanRollback) saves and
         # restores every layer's rows in one op per tensor
-        self.comp_stacks: dict[str, tuple[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.comp_stacks: dict[str, tuple[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         kinds = (("c4", g.csa_layers, CSA_RATIO, 2 * d, self.comp), ("c4_idx", g.csa_layers, CSA_RATIO, 2 * dI, self.idx_comp),
                  ("c128", g.hca_layers, HCA_RATIO, d, self.comp))
         for name, layers, ratio, width, views in kinds:
             if layers:
                 shape = (len(layers), S + 1, g.state_rows[ratio], width)
                 kv, score = torch.zeros(shape, **f32), torch.zeros(shape, **f32)
-                self.comp_stacks[name] = (tuple(layers), (kv, score))
+                self.comp_stacks[name] = (ratio, (kv, score))
                 for j, l in enumerate(layers):
                     views[l] = (kv[j], score[j])
         for l in g.csa_layers:

@@ -257,7 +257,7 @@ def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int
     rest = [i for i, n in enumerate(nums) if n > span]
 
     def eager(tok: torch.Tensor, sel: list[int], **kw):
-        if spec:                        # a multi-rank executor's forward_batch returns no streams
+        if spec:                        # only asked for: a multi-rank executor's forward_batch takes no flag
             kw["streams"] = True
         states = [cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in sel]
         return executor.forward_batch(tok, states, [nums[i] for i in sel], **kw)
@@ -269,18 +269,20 @@ def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int
     shapes = [(m.args.hidden_size,), (m.args.hc_mult, m.args.hidden_size)][:1 + spec]
     outs = [torch.empty(tokens.shape[0], *sh, dtype=dt, device=dev) for sh, dt in zip(shapes, (m.dtype, m.residual_dtype))]
 
-    def put(sel: list[int], got) -> None:
-        idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in sel]).to(dev)
+    def packed(sel: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(offs[i], offs[i + 1]) for i in sel]).to(dev)
+
+    def put(idx: torch.Tensor, got) -> None:
         for o, g in zip(outs, got if spec else (got,)):
             if g is not None:           # a multi-rank leader's streams stay on each rank
                 o[idx] = g
 
     if rest:
-        idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in rest]).to(dev)
-        put(rest, eager(tokens[idx], rest))
+        idx = packed(rest)
+        put(idx, eager(tokens[idx], rest))
     held = [cache.seqs[batch.seqs[i].seq_id] for i in fast]
     rows = [(ids[offs[i]:offs[i + 1]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(fast, held)]
-    put(fast, executor.decode_rows(runner, rows, [batch.seqs[i].seq_id for i in fast]))
+    put(packed(fast), executor.decode_rows(runner, rows, [batch.seqs[i].seq_id for i in fast]))
     return tuple(outs) if spec else outs[0]
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from engine.config import CSA_RATIO, HCA_RATIO
+from engine.config import CSA_RATIO
 
 if TYPE_CHECKING:
     from engine.core.llm_engine import LLMEngine
@@ -145,8 +145,7 @@ class SpanRollback:
         self.done: set = set()
         self.saved = []                      # (tensors, ratio, [seq_id], slots [n], rows [n, span], values)
         dev = cache.device
-        for name, (_, tensors) in cache.comp_stacks.items():
-            m = HCA_RATIO if name == "c128" else CSA_RATIO
+        for m, tensors in cache.comp_stacks.values():
             close = [(sid, slot, L, n) for sid, slot, L, n in spans if (L + n) // m != L // m]
             if not close:
                 continue
