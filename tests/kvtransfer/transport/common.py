@@ -13,17 +13,14 @@ import zmq
 from kvtransfer import make_receiver, make_sender
 from kvtransfer.interfaces import TAG_CTL
 from kvtransfer.wire import encode_state, model_fingerprint
+# below the ephemeral range: a port a test binds twice (close-then-rebind) is never an outgoing
+# connection's local port in between
+from server.launch.local import free_port  # noqa: F401  (re-exported to the transport tests)
 
 KINDS = ["zmq-tcp", "zmq-ipc", "dist"]
 REPO = Path(__file__).resolve().parents[3]
 FP = model_fingerprint({"name": "tiny-transport"}, torch.bfloat16, {"block_size": 16})
 LAYOUT = {"kv_dtype": "bfloat16", "block_size": 16, "parallel": {"tp": 1, "dp": 1}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Net:
