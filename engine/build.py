@@ -151,7 +151,9 @@ def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -
                                mem_fraction_static=s.mem_fraction_static, cpu_memory_bytes=s.cpu_memory_bytes,
                                num_kv_blocks=s.num_kv_blocks, num_reserved_decode_tokens=s.num_reserved_decode_tokens,
                                eos_ids=eos_token_ids(path, model.args), executor=executor,
-                               cache_dtype=cfg.cache_dtype_for(model.args), next_n=cfg.model_config.next_n)
+                               cache_dtype=cfg.cache_dtype_for(model.args), next_n=cfg.model_config.next_n,
+                               prefix_slots=(s.prefix_cache_slots or cfg.batch_size_per_dp_rank)
+                               if s.enable_prefix_caching else None)
     except ValueError as e:
         raise ConfigError(str(e) if str(e).startswith("scheduler_config") else f"scheduler_config: {e}") from None
     except (RuntimeError, MemoryError) as e:    # a pool larger than the machine (e.g. num_kv_blocks)

@@ -219,6 +219,8 @@ class SchedulerConfig:
     num_kv_blocks: int | None = None      # explicit pool size (blocks), overrides the computed one
     max_model_len: int | None = None      # prompt + output tokens; None -> max_position_embeddings
     kv_cache_dtype: str = "auto"          # auto (the checkpoint's cache schemes) | bfloat16 | int8 | fp8 | hif8
+    enable_prefix_caching: bool = False   # reuse cached prompt-prefix state (engine.core.prefix_cache)
+    prefix_cache_slots: int = 0           # its snapshot rings / state slots per DP rank; 0 -> batch_size
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -239,6 +241,8 @@ class SchedulerConfig:
             fail(self, "cpu_memory_gb", f"must be > 0, got {self.cpu_memory_gb!r}")
         positive(self, "num_kv_blocks", optional=True)
         positive(self, "max_model_len", optional=True)
+        if self.prefix_cache_slots < 0:
+            fail(self, "prefix_cache_slots", f"must be >= 0 (0 = batch_size), got {self.prefix_cache_slots}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in CACHE_SETTINGS:
             fail(self, "kv_cache_dtype", f"expected 'auto' or one of {sorted(CACHE_SETTINGS)}, "
                                          f"got {self.kv_cache_dtype!r}")

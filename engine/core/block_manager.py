@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from engine.cache_dtype import CacheDtype, indexer_row_bytes, kv_row_bytes
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
+from engine.core.prefix_cache import PrefixCache, PrefixEntry
 
 GROWING = ("c4", "c128")
 
@@ -33,17 +34,30 @@ class CacheFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Pool geometry. ``num_blocks``: blocks per growing pool; ``max_seqs``: requests holding state."""
+    """Pool geometry. ``num_blocks``: blocks per growing pool; ``max_seqs``: requests holding state;
+    ``prefix_slots``: with prefix caching (``engine.core.prefix_cache``), window rings and state
+    slots beyond ``max_seqs`` for cached boundary states (None: prefix caching off)."""
 
     block_size: int
     max_seqs: int
     num_blocks: dict[str, int]
     next_n: int = 0
     cache_dtype: CacheDtype = CacheDtype()     # storage of the KV / indexer caches (engine.cache_dtype)
+    prefix_slots: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_seqs < 1:
             raise ValueError(f"cache: block_size {self.block_size} and max_seqs {self.max_seqs} must be >= 1")
+        if self.prefix_slots is not None and self.prefix_slots < 0:
+            raise ValueError(f"cache: prefix_slots {self.prefix_slots} must be >= 0")
+        if self.prefix_slots is not None and self.next_n:
+            raise ValueError("cache: prefix caching with MTP (next_n > 0) is not supported yet: the MTP "
+                             "window rings of a boundary are final only once the token after it is known")
+
+    @property
+    def num_slots(self) -> int:
+        """State slots (and window rings): running requests' plus the prefix cache's."""
+        return self.max_seqs + (self.prefix_slots or 0)
         for k in GROWING:
             if self.num_blocks.get(k, 0) < 0:
                 raise ValueError(f"cache: num_blocks[{k!r}] must be >= 0")
@@ -77,14 +91,18 @@ class Geometry:
                    {CSA_RATIO: (groups + 1) * CSA_RATIO, HCA_RATIO: groups * HCA_RATIO},
                    args.qk_rope_head_dim, cache_dtype or CacheDtype(), args.num_mtp_layers if next_n else 0)
 
+    def entries(self, pool: str, num_tokens: int) -> int:
+        """Entries of ``pool`` (``c4`` / ``c128``) a request with ``num_tokens`` tokens holds (0
+        without such layers)."""
+        if not (self.csa_layers if pool == "c4" else self.hca_layers):
+            return 0
+        return num_tokens // (CSA_RATIO if pool == "c4" else HCA_RATIO)
+
     def blocks_needed(self, pool: str, num_tokens: int) -> int:
         """Blocks of ``pool`` a request with ``num_tokens`` processed tokens holds."""
         if pool == "win":
             return self.ring_len // self.block_size
-        m = CSA_RATIO if pool == "c4" else HCA_RATIO
-        if not (self.csa_layers if pool == "c4" else self.hca_layers):
-            return 0
-        return math.ceil((num_tokens // m) / self.block_size)
+        return math.ceil(self.entries(pool, num_tokens) / self.block_size)
 
     def bytes_per_block(self, pool: str, kv_bytes: int) -> int:
         """Bytes of one block of ``pool`` across all its layers (kv_bytes: element size of the
@@ -114,11 +132,13 @@ class Geometry:
 
 
 def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_bytes: int,
-               next_n: int = 0, cache_dtype: CacheDtype | None = None) -> CacheConfig:
+               next_n: int = 0, cache_dtype: CacheDtype | None = None, prefix_slots: int | None = None
+               ) -> CacheConfig:
     """Size the pools from a byte budget (``mem_fraction_static`` x memory - weights).
 
     ``dtype``: the compute dtype (anything with ``itemsize`` bytes, e.g. a ``torch.dtype``);
-    ``cache_dtype``: the caches' storage (None: unquantised, rows of ``dtype``).
+    ``cache_dtype``: the caches' storage (None: unquantised, rows of ``dtype``);
+    ``prefix_slots``: the prefix cache's snapshot rings and slots (``CacheConfig``).
     Fixed parts (window ring, compressor state and a first block of each growing pool for
     ``max_seqs`` requests: a request holds whole blocks, so short ones would otherwise starve
     the HCA pool) come first; the rest is split between the CSA and HCA pools so both fill at the
@@ -134,7 +154,8 @@ def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_by
     # + the scratch part (one more window ring and state slot, one trash row per entry pool)
     fixed = (max_seqs * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
                          + sum(growing.values()))
-             + g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes()
+             + (1 + (prefix_slots or 0)) * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize)
+                                            + g.state_bytes())
              + sum(b // block_size for b in growing.values()))
     if budget_bytes < fixed:
         raise ValueError(f"cache: a budget of {budget_bytes} bytes is below the minimum {fixed} bytes "
@@ -144,7 +165,7 @@ def plan_cache(args: ModelArgs, dtype, block_size: int, max_seqs: int, budget_by
     per_token = sum(b / (ratio[p] * block_size) for p, b in growing.items())
     tokens = (budget_bytes - fixed) / per_token if per_token else 0
     blocks = {p: max_seqs + int(tokens // (ratio[p] * block_size)) for p in growing}
-    return CacheConfig(block_size, max_seqs, blocks, next_n, cache_dtype)
+    return CacheConfig(block_size, max_seqs, blocks, next_n, cache_dtype, prefix_slots)
 
 
 def pool_bytes(args: ModelArgs, dtype, config: CacheConfig) -> int:
@@ -153,7 +174,7 @@ def pool_bytes(args: ModelArgs, dtype, config: CacheConfig) -> int:
     element type (has ``itemsize``)."""
     g = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
     esize = dtype.itemsize
-    fixed = (config.max_seqs + 1) * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
+    fixed = (config.num_slots + 1) * (g.blocks_needed("win", 0) * g.bytes_per_block("win", esize) + g.state_bytes())
     trash = sum(g.bytes_per_block(p, esize) // config.block_size for p in GROWING)
     return fixed + trash + sum(config.num_blocks.get(p, 0) * g.bytes_per_block(p, esize) for p in GROWING)
 
@@ -171,43 +192,67 @@ def slot_mapping(table, bs: int, idx):
 
 
 class BlockPool:
-    """Free list of block ids ``0 .. n-1`` (FIFO reuse) with an exact free count."""
+    """Free list of block ids ``0 .. n-1`` (FIFO reuse) with reference counts.
+
+    A block is held by one or more requests and prefix-cache entries (``engine.core.prefix_cache``);
+    it is free again once the last of them gives it back. ``num_evictable`` counts the blocks only
+    entries hold: what evicting every entry would free.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks))
-        self._used = [False] * num_blocks
+        self._ref = [0] * num_blocks        # holders
+        self._cached = [0] * num_blocks     # of which prefix-cache entries
+        self.num_evictable = 0
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, n: int) -> list[int]:
-        """``n`` free block ids. Raises CacheFullError if fewer are free."""
+    def take(self, n: int, cached: bool = False) -> list[int]:
+        """``n`` free block ids, held once (by an entry: ``cached``). Raises CacheFullError if
+        fewer are free."""
         if n == 0:
             return []
         if n > len(self._free):
             raise CacheFullError(f"need {n} blocks, {len(self._free)} free")
         got, self._free = self._free[:n], self._free[n:]
-        for b in got:
-            self._used[b] = True
+        self._count(got, 1, cached)
         return got
 
-    def give(self, blocks: list[int]) -> None:
-        """Return blocks. Raises RuntimeError on a double free (a bookkeeping bug, never silent)."""
+    def share(self, blocks: list[int], cached: bool = False) -> list[int]:
+        """Hold blocks already held once more (by an entry: ``cached``); returns them."""
+        if any(not self._ref[b] for b in blocks):
+            raise RuntimeError(f"sharing a free block among {blocks[:8]}")
+        self._count(blocks, 1, cached)
+        return blocks
+
+    def give(self, blocks: list[int], cached: bool = False) -> None:
+        """Drop one hold of each block (an entry's: ``cached``); the last one frees it.
+        Raises RuntimeError on a double free (a bookkeeping bug, never silent)."""
         for b in blocks:
-            if not self._used[b]:
+            if not (self._cached[b] if cached else self._ref[b] - self._cached[b]):
                 raise RuntimeError(f"block {b} freed twice")
-            self._used[b] = False
-        self._free.extend(blocks)
+        self._count(blocks, -1, cached)
+        self._free.extend(b for b in blocks if not self._ref[b])
+
+    def _count(self, blocks: list[int], d: int, cached: bool) -> None:
+        for b in blocks:
+            was = self._ref[b] > 0 and self._ref[b] == self._cached[b]
+            self._ref[b] += d
+            self._cached[b] += d if cached else 0
+            now = self._ref[b] > 0 and self._ref[b] == self._cached[b]
+            self.num_evictable += now - was
 
 
 @dataclass
 class SeqBlocks:
-    """One request's holdings: its state slot and block table per pool."""
+    """One request's (or prefix-cache entry's) holdings: its state slot and block table per pool."""
 
     state_slot: int
     tables: dict[str, list[int]] = field(default_factory=dict)
+    num_cached: int = 0      # tokens whose state came from a prefix-cache entry
 
 
 class BlockManager:
@@ -220,11 +265,12 @@ class BlockManager:
     def __init__(self, args: ModelArgs, config: CacheConfig):
         self.args, self.config = args, config
         g = self.geometry = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
-        self.pools = {"win": BlockPool(config.max_seqs * g.blocks_needed("win", 0)),
-                      "state": BlockPool(config.max_seqs)}
+        self.pools = {"win": BlockPool(config.num_slots * g.blocks_needed("win", 0)),
+                      "state": BlockPool(config.num_slots)}
         for p in GROWING:
             self.pools[p] = BlockPool(config.num_blocks.get(p, 0) if g.blocks_needed(p, 1 << 30) else 0)
         self.seqs: dict[object, SeqBlocks] = {}
+        self.prefix = PrefixCache() if config.prefix_slots is not None else None
 
     def num_free(self) -> dict[str, int]:
         """Free blocks per pool (``state`` counts request slots)."""
@@ -233,41 +279,111 @@ class BlockManager:
     def num_total(self) -> dict[str, int]:
         return {k: p.num_blocks for k, p in self.pools.items()}
 
-    def _needs(self, seq_id, num_tokens: int) -> dict[str, int]:
+    def _needs(self, seq_id, num_tokens: int, shared: dict[str, list[int]] | None = None) -> dict[str, int]:
         g = self.geometry
         held = self.seqs.get(seq_id)
-        need = {p: g.blocks_needed(p, num_tokens) - (len(held.tables.get(p, [])) if held else 0) for p in GROWING}
+        have = {p: len(held.tables.get(p, [])) if held else len((shared or {}).get(p, ())) for p in GROWING}
+        need = {p: g.blocks_needed(p, num_tokens) - have[p] for p in GROWING}
         if held is None:
             need["win"] = g.blocks_needed("win", 0)
             need["state"] = 1
         return {k: max(0, v) for k, v in need.items()}
 
     def can_allocate(self, seq_id, num_tokens: int, reserve: dict[str, int] | None = None) -> bool:
-        """Whether ``seq_id`` can hold ``num_tokens`` tokens, keeping ``reserve`` blocks spare."""
+        """Whether ``seq_id`` can hold ``num_tokens`` tokens, keeping ``reserve`` blocks spare
+        (blocks only prefix-cache entries hold count as free: ``allocate`` evicts them)."""
         reserve = reserve or {}
-        return all(self.pools[p].num_free - reserve.get(p, 0) >= n for p, n in self._needs(seq_id, num_tokens).items())
+        return all(self.pools[p].num_free + self.pools[p].num_evictable - reserve.get(p, 0) >= n
+                   for p, n in self._needs(seq_id, num_tokens).items())
 
-    def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
-        """Grow (or create) ``seq_id``'s holdings to cover ``num_tokens`` tokens.
+    def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None) -> SeqBlocks:
+        """Grow (or create) ``seq_id``'s holdings to cover ``num_tokens`` tokens, evicting
+        prefix-cache entries (least recently used first) while a pool is short.
 
-        A new request's state slot goes through ``reset_slot`` (the pools clear it there).
+        ``prefix`` (a new request): the key of a cached boundary state (``PrefixCache.plan``) to
+        start from: its full entry blocks are shared, the rest copied (``copy_state``), and
+        ``SeqBlocks.num_cached`` says how many tokens that covers (0: the entry is gone or the
+        room for its copy is not there; the request then holds fresh state, as without it).
+        A new request's state slot otherwise goes through ``reset_slot`` (the pools clear it).
         Raises:
-            CacheFullError: some pool is short; nothing was taken.
+            CacheFullError: some pool is short even with every entry evicted; nothing was taken.
         """
-        need = self._needs(seq_id, num_tokens)
-        short = {p: (n, self.pools[p].num_free) for p, n in need.items() if n > self.pools[p].num_free}
+        entry = self.prefix.touch(prefix) if prefix is not None and seq_id not in self.seqs else None
+        shared = {}
+        if entry is not None:   # its full entry blocks, held first: no eviction below frees them
+            bs = self.config.block_size
+            shared = {p: self.pools[p].share(entry.blocks.tables.get(p, [])[:self.geometry.entries(p, entry.num_tokens) // bs])
+                      for p in GROWING}
+        need = self._needs(seq_id, num_tokens, shared)
+        short = self._make_room(need, keep=prefix if entry else None)
+        if short and entry:     # no room for the copy: fresh state instead
+            for p, blocks in shared.items():
+                self.pools[p].give(blocks)
+            return self.allocate(seq_id, num_tokens)
         if short:
             raise CacheFullError(f"cache full for {seq_id!r}: " + ", ".join(
                 f"{p} needs {n} blocks, {f} free" for p, (n, f) in short.items()))
         held = self.seqs.get(seq_id)
         if held is None:
-            held = SeqBlocks(self.pools["state"].take(1)[0])
+            held = self.seqs[seq_id] = SeqBlocks(self.pools["state"].take(1)[0])
             held.tables["win"] = self.pools["win"].take(need["win"])
-            self.reset_slot(held.state_slot)
-            self.seqs[seq_id] = held
+            held.tables.update({p: list(blocks) for p, blocks in shared.items()})
+            if entry is None:
+                self.reset_slot(held.state_slot)
         for p in GROWING:
             held.tables.setdefault(p, []).extend(self.pools[p].take(need[p]))
+        if entry is not None:
+            held.num_cached = entry.num_tokens
+            self.copy_state(entry.blocks, held, entry.num_tokens)
         return held
+
+    def _make_room(self, need: dict[str, int], keep: bytes | None = None) -> dict[str, tuple[int, int]]:
+        """Evict entries (least recently used first, never ``keep``) until ``need`` fits; returns
+        what is still short: pool -> (needed, free)."""
+        while True:
+            short = {p: (n, self.pools[p].num_free) for p, n in need.items() if n > self.pools[p].num_free}
+            if not short or self.prefix is None or not self._evict(keep):
+                return short
+
+    def _evict(self, keep: bytes | None = None) -> bool:
+        entry = self.prefix.pop_lru(keep)
+        if entry is None:
+            return False
+        self.pools["state"].give([entry.blocks.state_slot], cached=True)
+        for p, blocks in entry.blocks.tables.items():
+            self.pools[p].give(blocks, cached=True)
+        return True
+
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
+        """Keep ``seq_id``'s state after ``num_tokens`` tokens (a multiple of 128, what it holds
+        now) as the prefix-cache entry ``key`` (``chain``: its chunk hashes): its entry blocks
+        shared, its window ring and state slot copied into the entry's own. False when caching
+        is off, ``key`` is already cached, or no ring / slot can be freed for it."""
+        if self.prefix is None or self.prefix.touch(key) is not None:
+            return False
+        ring = self.geometry.blocks_needed("win", 0)
+        if self._make_room({"state": 1, "win": ring}):
+            return False
+        held = self.seqs[seq_id]
+        snap = SeqBlocks(self.pools["state"].take(1, cached=True)[0])
+        snap.tables["win"] = self.pools["win"].take(ring, cached=True)
+        for p in GROWING:
+            n = -(-self.geometry.entries(p, num_tokens) // self.config.block_size)
+            snap.tables[p] = self.pools[p].share(held.tables.get(p, [])[:n], cached=True)
+        self.copy_state(held, snap, num_tokens)
+        self.prefix.add(key, PrefixEntry(num_tokens, snap, chain))
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every entry; returns how many there were."""
+        n = 0
+        while self.prefix is not None and self._evict():
+            n += 1
+        return n
+
+    def copy_state(self, src: SeqBlocks, dst: SeqBlocks, num_tokens: int) -> None:
+        """Make ``dst`` hold ``src``'s state after ``num_tokens`` tokens (a 128 multiple): window
+        ring, state slot and the entry blocks the two do not share (accounting only: nothing)."""
 
     def reset_slot(self, slot: int) -> None:
         """Called with a new request's state slot (accounting only: nothing to reset)."""

@@ -44,11 +44,20 @@ class Executor:
         self._spec: dict | None = None
 
     # ---- state pools --------------------------------------------------------------------------
-    def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
-        """Hold blocks for ``num_tokens`` tokens of ``seq_id`` (``BlockManager.allocate``).
-        Raises CacheFullError with nothing taken."""
+    def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None) -> SeqBlocks:
+        """Hold blocks for ``num_tokens`` tokens of ``seq_id``, from the cached prefix ``prefix``
+        if it is still there (``BlockManager.allocate``). Raises CacheFullError with nothing taken."""
         self._restore()
-        return self.cache.allocate(seq_id, num_tokens)
+        return self.cache.allocate(seq_id, num_tokens, prefix)
+
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
+        """Keep ``seq_id``'s state after ``num_tokens`` tokens as prefix-cache entry ``key``
+        (``BlockManager.cache_prefix``)."""
+        return self.cache.cache_prefix(seq_id, key, num_tokens, chain)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every prefix-cache entry; returns how many there were."""
+        return self.cache.reset_prefix_cache()
 
     def free(self, seq_id) -> None:
         """Return everything ``seq_id`` holds (none: nothing happens)."""

@@ -12,7 +12,7 @@ import torch
 
 from engine.cache_dtype import CacheDtype
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
-from engine.core.block_manager import GROWING, BlockManager, CacheConfig, plan_cache, pool_bytes
+from engine.core.block_manager import GROWING, BlockManager, CacheConfig, SeqBlocks, plan_cache, pool_bytes
 from engine.core.paged_state import PagedLayerState, PagedSequenceState
 from engine.ops.cache_codec import CacheRows, codecs_for
 
@@ -26,9 +26,10 @@ class PagedCache(BlockManager):
     next_n > 0 mtp_win[k] alike for MTP layer k); cmp_kv[l]
     ``n_c4 * bs + 1`` (CSA) or ``n_c128 * bs + 1`` (HCA) rows of d; idx_kv[l] ``n_c4 * bs + 1``
     rows of dI; fp32 tensors comp_kv / comp_score[l]
-      ``[max_seqs + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[max_seqs + 1, rows,
-      2*dI]`` fp32 (CSA layers), views of ``comp_stacks`` (kind -> (compress ratio, (kv, score)
-      ``[its layers, max_seqs + 1, rows, width]``)).
+      ``[S + 1, rows, c*d]`` fp32, idx_comp_kv / idx_comp_score[l] ``[S + 1, rows, 2*dI]`` fp32
+      (CSA layers), views of ``comp_stacks`` (kind -> (compress ratio, (kv, score)
+      ``[its layers, S + 1, rows, width]``)); S = ``config.num_slots`` (requests' and prefix-cache
+      entries' slots).
 
     Past the managed blocks each pool has a scratch part no request ever holds, for fixed-shape
     (graph) decode: ``pad_slot`` (a state slot) and ``pad_win_blocks`` (a window ring) for the
@@ -48,7 +49,7 @@ class PagedCache(BlockManager):
             return CacheRows.zeros(self.kv_codec, n, device)
 
         f32 = dict(dtype=torch.float32, device=device)
-        S = config.max_seqs
+        S = config.num_slots
         ring_blocks = g.blocks_needed("win", 0)
         self.pad_slot, self.pad_win_blocks = S, list(range(n_win, n_win + ring_blocks))
         self.win = [kv_rows((n_win + ring_blocks) * bs) for _ in range(g.num_layers)]
@@ -88,6 +89,35 @@ class PagedCache(BlockManager):
         for kv, score in self.idx_comp.values():
             _reset_comp(kv[slot], score[slot], True)
 
+    def copy_state(self, src: SeqBlocks, dst: SeqBlocks, num_tokens: int) -> None:
+        """Make ``dst`` hold ``src``'s state after ``num_tokens`` tokens (a multiple of 128: both
+        compressors' remainders hold no token, ``engine.core.prefix_cache``): every layer's whole
+        window ring (position p sits at ring slot p % ring_len in both), the state slot, and the
+        CSA / HCA entry rows of the blocks they do not share. Device copies, one per pool tensor."""
+        bs = self.config.block_size
+        dev = self.device
+
+        def rows(blocks: list[int], n: int) -> torch.Tensor:
+            return (torch.tensor(blocks, dtype=torch.long, device=dev)[:, None] * bs
+                    + torch.arange(bs, device=dev)).flatten()[:n]
+
+        src_win, dst_win = rows(src.tables["win"], self.geometry.ring_len), rows(dst.tables["win"], self.geometry.ring_len)
+        for ring in self.win:
+            ring.scatter(dst_win, ring.gather(src_win))
+        for _, pair in self.comp_stacks.values():
+            for t in pair:
+                t[:, dst.state_slot] = t[:, src.state_slot]
+        for p, caches in (("c4", [*(self.cmp_kv[l] for l in self.geometry.csa_layers), *self.idx_kv.values()]),
+                          ("c128", [self.cmp_kv[l] for l in self.geometry.hca_layers])):
+            n = self.geometry.entries(p, num_tokens)
+            own = [i for i, (a, b) in enumerate(zip(src.tables.get(p, []), dst.tables.get(p, []))) if a != b and i * bs < n]
+            if not own:
+                continue
+            k = sum(min(bs, n - i * bs) for i in own)    # only the last of them can be partial
+            s_rows, d_rows = rows([src.tables[p][i] for i in own], k), rows([dst.tables[p][i] for i in own], k)
+            for c in caches:
+                c.scatter(d_rows, c.gather(s_rows))
+
     def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
         """The model-facing state of ``seq_id`` with ``num_tokens`` tokens already processed.
         Raises KeyError if it holds nothing."""
@@ -124,12 +154,13 @@ def kv_budget_bytes(model, mem_fraction_static: float, cpu_memory_bytes: int) ->
 
 
 def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: float, cpu_memory_bytes: int,
-               num_kv_blocks: int | None = None, cache_dtype: CacheDtype | None = None, next_n: int = 0
-               ) -> CacheConfig:
+               num_kv_blocks: int | None = None, cache_dtype: CacheDtype | None = None, next_n: int = 0,
+               prefix_slots: int | None = None) -> CacheConfig:
     """Pool geometry for ``model`` (a loaded ``Transformer``) within ``kv_budget_bytes``, the
     caches stored as ``cache_dtype`` (None: unquantised).
 
-    ``next_n``: MTP depth (the ring and compressor state keep its extra room, plus the MTP rings).
+    ``next_n``: MTP depth (the ring and compressor state keep its extra room, plus the MTP rings);
+    ``prefix_slots``: the prefix cache's snapshot rings and slots (None: prefix caching off).
     ``num_kv_blocks`` (scheduler_config.num_kv_blocks) sets the CSA pool; the HCA pool gets the
     same token reach and at least ``batch_size`` blocks. None: ``plan_cache`` fills the budget.
     Raises:
@@ -145,11 +176,11 @@ def size_pools(model, block_size: int, batch_size: int, mem_fraction_static: flo
         # HCA blocks: the same token reach as the CSA pool, and at least one per running request
         c128 = max(batch_size, math.ceil(num_kv_blocks * CSA_RATIO / HCA_RATIO))
         cfg = CacheConfig(block_size, batch_size, {"c4": num_kv_blocks, "c128": c128}, next_n,
-                          cache_dtype or CacheDtype())
+                          cache_dtype or CacheDtype(), prefix_slots)
         need = pool_bytes(a, model.dtype, cfg)
         if need > budget:
             raise ValueError(f"num_kv_blocks: {num_kv_blocks} blocks need {need} bytes of state pools, over "
                              f"the {budget} bytes mem_fraction_static leaves; lower it or raise the memory")
     else:
-        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget, next_n, cache_dtype)
+        cfg = plan_cache(a, model.dtype, block_size, batch_size, budget, next_n, cache_dtype, prefix_slots)
     return cfg

@@ -75,16 +75,18 @@ class LLMEngine:
               max_model_len: int | None = None, mem_fraction_static: float = 0.85,
               cpu_memory_bytes: int = 4 << 30, num_kv_blocks: int | None = None, num_reserved_decode_tokens: int = 64,
               eos_ids: tuple[int, ...] | None = None, executor: ExecutorFactory | None = None,
-              cache_dtype: CacheDtype | None = None, next_n: int = 0) -> "LLMEngine":
+              cache_dtype: CacheDtype | None = None, next_n: int = 0, prefix_slots: int | None = None
+              ) -> "LLMEngine":
         """Size the pools from memory (or ``num_kv_blocks`` CSA blocks: ``size_pools``) and build the engine;
         ``cache_dtype``: the caches' storage (``engine.cache_dtype``; None: unquantised); ``next_n``:
-        MTP draft tokens per decode step (``engine.core.spec_decode``; the model needs its MTP layer).
+        MTP draft tokens per decode step (``engine.core.spec_decode``; the model needs its MTP layer);
+        ``prefix_slots``: prefix caching's snapshot rings / slots (``CacheConfig``; None: off).
 
         ``max_model_len`` None: ``max_position_embeddings`` capped to what the pools hold.
         """
         a = model.args
         cfg = size_pools(model, block_size, batch_size, mem_fraction_static, cpu_memory_bytes, num_kv_blocks,
-                         cache_dtype, next_n)
+                         cache_dtype, next_n, prefix_slots)
         if max_model_len is None:
             max_model_len = min(a.max_position_embeddings, Geometry.of(a, block_size).capacity(cfg))
         limits = SchedulerLimits(batch_size, max_prefill_tokens, max_model_len, num_reserved_decode_tokens)
@@ -309,6 +311,9 @@ class LLMEngine:
         rows, last, off = [], [], 0
         for s, n in zip(batch.seqs, batch.num_tokens):
             s.num_computed += n - s.spec_k          # drafts count once accepted
+            if s.snapshots and s.snapshots[0][0] == s.num_computed:   # a boundary to keep (prefix cache)
+                _, key, chain = s.snapshots.pop(0)
+                self.executor.cache_prefix(s.seq_id, key, s.num_computed, chain)
             off += n
             if s.num_pending == 0:
                 rows.append(s)
@@ -375,7 +380,7 @@ class LLMEngine:
         if len(s.output_ids) == 1 and s.scheduled_time is not None:
             queue = max(0.0, s.scheduled_time - s.arrival)
         return RequestOutput(s.seq_id, [tok], [smp], reason is not None, reason, len(s.prompt_ids),
-                             len(s.output_ids), queue)
+                             len(s.output_ids), queue, s.num_cached)
 
     def _finish(self, s: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(s, reason)

@@ -96,6 +96,9 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)   # MTP drafts for the next decode step
     spec_k: int = 0               # drafts the current step verifies (run after the pending token)
+    num_cached: int = 0           # tokens whose state came from the prefix cache at admission
+    # prefix caching: boundaries to keep once computed, as (tokens, key, chunk hashes), ascending
+    snapshots: list[tuple[int, bytes, tuple[bytes, ...]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +137,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     queue_time_s: float | None = None     # on the first token: arrival -> first scheduled (s)
+    num_cached_tokens: int = 0            # prompt tokens whose state came from the prefix cache
 
     def merged(self, later: "RequestOutput") -> "RequestOutput":
         """This step's output followed by ``later`` (several accepted tokens in one step)."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.block_manager import BlockManager
+from engine.core.prefix_cache import CHUNK
 from engine.core.request import FinishReason, Sequence, SeqStatus
 
 
@@ -117,7 +118,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.num_pending > 1:
-                n = min(seq.num_pending, budget)
+                n = self._chunk(seq, budget)
                 budget -= n
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
@@ -128,24 +129,45 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.cache.can_allocate(seq.seq_id, self._target(seq)):
                 break
-            self.blocks.allocate(seq.seq_id, self._target(seq))
+            self._admit(seq)
             self.waiting.pop(0)
             seq.status = SeqStatus.RUNNING
             if seq.scheduled_time is None:
                 seq.scheduled_time = time.monotonic()
             self.running.append(seq)
-            n = min(seq.num_pending, budget)
+            n = self._chunk(seq, budget)
             budget -= n
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
         return batch
+
+    def _admit(self, seq: Sequence) -> None:
+        """Take ``seq``'s state; with prefix caching, from the longest cached prefix of its
+        tokens (``engine.core.prefix_cache``), noting the boundaries to keep on the way."""
+        prefix = getattr(self.cache, "prefix", None)
+        if prefix is None:
+            self.blocks.allocate(seq.seq_id, self._target(seq))
+            return
+        plan = prefix.plan(seq.prompt_ids + seq.output_ids, seq.num_tokens)
+        held = self.blocks.allocate(seq.seq_id, self._target(seq), plan.hit)
+        seq.num_computed = seq.num_cached = held.num_cached
+        seq.snapshots = [(n, key, plan.chain[:n // CHUNK]) for n, key in plan.snapshots if n > seq.num_computed]
+        prefix.count(seq.num_tokens, seq.num_cached)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill tokens of ``seq`` this step: up to ``budget``, ending at its next boundary to
+        keep in the prefix cache (its state is copied there after the step)."""
+        n = min(seq.num_pending, budget)
+        if seq.snapshots:
+            n = min(n, seq.snapshots[0][0] - seq.num_computed)
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s state and re-queue it; it recomputes prompt + output on readmission."""
         self.blocks.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
-        seq.draft_ids, seq.spec_k = [], 0
+        seq.draft_ids, seq.spec_k, seq.snapshots = [], 0, []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
