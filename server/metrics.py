@@ -75,6 +75,14 @@ class GatewayMetrics:
             self.registry.register(self._pairs)
         self._pairs.report = report
 
+    def track_prefix_cache(self, stats: Callable[[], object]) -> None:
+        """Export vLLM's prefix-cache counters, read at each scrape from ``stats()`` (the engine's
+        ``engine.core.prefix_cache.PrefixCache``): ``dsv4:prefix_cache_queries_total`` (prompt
+        tokens looked up) and ``dsv4:prefix_cache_hits_total`` (of those, tokens whose state came
+        from the cache), plus ``dsv4:prefix_cache_evictions_total`` (entries). Call once, only
+        with prefix caching on."""
+        self.registry.register(_PrefixCollector(self._v, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -113,9 +121,9 @@ class WorkerMetrics:
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled here (prefill) "
                                      "or received as state (decode)", lbl, registry=r).labels(*v)
         self._by_source = Counter(PREFIX + "prompt_tokens_by_source", "Prompt tokens by where their state came "
-                                  "from: local_compute (prefilled here) or kv_transfer (received)",
-                                  lbl + ["source"], registry=r)
-        for source in ("local_compute", "kv_transfer"):
+                                  "from: local_compute (prefilled here), cache_hit (the prefix cache) or "
+                                  "kv_transfer (received)", lbl + ["source"], registry=r)
+        for source in ("local_compute", "cache_hit", "kv_transfer"):
             self._by_source.labels(*v, source)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens sampled here", lbl,
                                          registry=r).labels(*v)
@@ -148,8 +156,8 @@ class WorkerMetrics:
         self._success.labels(*self._v, finished_reason).inc()
 
     def prompt(self, num_tokens: int, source: str) -> None:
-        """Count ``num_tokens`` prompt tokens; source: local_compute | kv_transfer (vLLM's
-        ``prompt_tokens_by_source``; ``cache_hit`` joins with prefix caching)."""
+        """Count ``num_tokens`` prompt tokens; source: local_compute | cache_hit | kv_transfer (vLLM's
+        ``prompt_tokens_by_source``)."""
         self.prompt_tokens.inc(num_tokens)
         self._by_source.labels(*self._v, source).inc(num_tokens)
 
@@ -166,8 +174,32 @@ class WorkerMetrics:
         only when the engine drafts (next_n > 0), as vLLM exports them only with a drafter."""
         self.registry.register(_SpecCollector(self._v, stats))
 
+    def track_prefix_cache(self, stats: Callable[[], object]) -> None:
+        """Export vLLM's prefix-cache counters, read at each scrape from ``stats()`` (the engine's
+        ``engine.core.prefix_cache.PrefixCache``): ``dsv4:prefix_cache_queries_total`` (prompt
+        tokens looked up) and ``dsv4:prefix_cache_hits_total`` (of those, tokens whose state came
+        from the cache), plus ``dsv4:prefix_cache_evictions_total`` (entries). Call once, only
+        with prefix caching on."""
+        self.registry.register(_PrefixCollector(self._v, stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCollector:
+    """``dsv4:prefix_cache_*`` counters computed at scrape time from the engine's ``PrefixCache``."""
+
+    def __init__(self, labels: tuple[str, str], stats: Callable[[], object]):
+        self.labels, self.stats = list(labels), stats
+
+    def collect(self):
+        pc = self.stats()
+        for name, doc, value in (("queries", "Prompt tokens looked up in the prefix cache", pc.queries),
+                                 ("hits", "Prompt tokens whose state came from the prefix cache", pc.hits),
+                                 ("evictions", "Prefix-cache entries evicted", pc.evictions)):
+            c = CounterMetricFamily(PREFIX + "prefix_cache_" + name, doc, labels=["model_name", "role"])
+            c.add_metric(self.labels, value)
+            yield c
 
 
 class _SpecCollector:

@@ -51,6 +51,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     queue_time_s: float | None = None
     extra: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0          # first event: prompt tokens the prefix cache served
 
 
 class Backend(Protocol):

@@ -23,7 +23,7 @@ def to_event(out: RequestOutput, want_logprobs: bool) -> TokenEvent:
     """An engine output as a ``TokenEvent`` (logprobs only when the sample asked for them)."""
     return TokenEvent(list(out.new_token_ids), list(out.new_logprobs) if want_logprobs else None, out.finished,
                       out.finish_reason.value if out.finish_reason is not None else None, out.num_prompt_tokens,
-                      out.queue_time_s)
+                      out.queue_time_s, num_cached_tokens=out.num_cached_tokens)
 
 
 class LocalBackend:

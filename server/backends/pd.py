@@ -30,6 +30,7 @@ from server.backends.base import BackendError, GenRequest, TokenEvent
 from server.backends.instances import Instance, incompatible_pairs, pair_mismatch, pick_pair
 from server.backends.leg import Leg, LegLost, LegState, LostMidStream
 from server.backends.links import WorkerLinks
+from server.backends.prefill_router import PrefillRouter
 from server.workers.rpc import pack, params_to_dict, unpack_sampled
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class PDBackend:
                  token_timeout_s: float = 300.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0,
                  worker_timeout_s: float = 5.0, max_retries: int = 2, max_migrations: int = 1,
                  reconnect_grace_s: float = 5.0,
-                 cluster_secret: str | None = None):
+                 cluster_secret: str | None = None, prefill_routing: str = "cache_aware"):
         if not prefill_addrs or not decode_addrs:
             raise ValueError("PREFILL_IPS / DECODE_IPS: need at least one prefill and one decode instance")
         if worker_timeout_s <= 0:
@@ -76,6 +77,7 @@ class PDBackend:
         self._legs: dict[str, Leg] = {}          # attempts in flight, by transfer id (lease renewal)
         self._renew_task: asyncio.Task | None = None
         self.counters = {"retries": 0, "migrations": 0, "lost_legs": 0}
+        self.router = PrefillRouter(prefill_routing)
 
     @property
     def max_model_len(self) -> int:
@@ -110,7 +112,9 @@ class PDBackend:
         bad = self.incompatible_pairs()
         pairs = len(h["prefill"]) * len(h["decode"]) - len(bad)
         return {"healthy": pairs > 0, "healthy_prefill": h["prefill"], "healthy_decode": h["decode"],
-                "compatible_pairs": pairs, "incompatible_pairs": bad, **self.counters}
+                "compatible_pairs": pairs, "incompatible_pairs": bad, **self.counters,
+                "prefill_routing": {"policy": self.router.policy, "routed": self.router.routed,
+                                    "by_prefix": self.router.by_prefix}}
 
     def incompatible_pairs(self) -> list[dict]:
         """The healthy pairs that are never chosen (``instances.incompatible_pairs``)."""
@@ -149,16 +153,21 @@ class PDBackend:
                 loop.call_later(0.1, q.put_nowait, ("lost", {"role": inst.role, "addr": inst.addr, "why": why}))
 
     # ---- a sample ------------------------------------------------------------------------------
-    def _pick(self, role: str, decode: Instance | None = None) -> Instance | None:
-        """The least-loaded healthy ``role`` instance; with ``decode``, only a prefill that pairs with it."""
+    def _pick(self, role: str, decode: Instance | None = None, prompt_ids: list[int] | None = None
+              ) -> Instance | None:
+        """The least-loaded healthy ``role`` instance; with ``decode``, only a prefill that pairs
+        with it, chosen by ``router`` for ``prompt_ids``."""
         ok = [i for i in self.instances if i.role == role and i.healthy(self._max_unanswered)
               and (decode is None or pair_mismatch(i, decode) is None)]
-        return min(ok, key=Instance.score) if ok else None
+        if not ok:
+            return None
+        return self.router.choose(ok, prompt_ids) if prompt_ids is not None else min(ok, key=Instance.score)
 
-    async def _pick_within(self, role: str, decode: Instance | None = None) -> Instance | None:
-        """``_pick(role, decode)``, waiting up to ``reconnect_grace_s`` for one to become healthy."""
+    async def _pick_within(self, role: str, decode: Instance | None = None, prompt_ids: list[int] | None = None
+                           ) -> Instance | None:
+        """``_pick(role, decode, prompt_ids)``, waiting up to ``reconnect_grace_s`` for one to become healthy."""
         end = time.monotonic() + self.reconnect_grace_s
-        while (inst := self._pick(role, decode)) is None and time.monotonic() < end:
+        while (inst := self._pick(role, decode, prompt_ids)) is None and time.monotonic() < end:
             await asyncio.sleep(0.05)
         return inst
 
@@ -244,7 +253,7 @@ class PDBackend:
                 await self.links.abort(dec, rid)
             yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
                              len(req.prompt_ids), None if done or first.get("queue_s") is None
-                             else room_s + first["queue_s"])
+                             else room_s + first["queue_s"], num_cached_tokens=first["cached"] if isinstance(first.get("cached"), int) else 0)
             if first["done"]:
                 return
             pending = [("out", m) for m in early]
@@ -289,11 +298,11 @@ class PDBackend:
         return msg["state_addr"]
 
     async def _prefill(self, leg: Leg, req: GenRequest, fields: dict, dest: str) -> tuple[dict, list[dict]]:
-        """PREFILLING: the least-loaded prefill instance that pairs with the leg's decode (chosen
-        now, when the state has a place) computes the prompt into ``dest``. Returns its ``first``
+        """PREFILLING: a prefill instance that pairs with the leg's decode (chosen now, when the
+        state has a place, by ``router``) computes the prompt into ``dest``. Returns its ``first``
         message (token #1) and decode's ``out`` messages that overtook it (two sockets).
         Raises LegLost / BackendError."""
-        pre = await self._pick_within("prefill", leg.decode)
+        pre = await self._pick_within("prefill", leg.decode, req.prompt_ids + fields.get("output_ids", []))
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)

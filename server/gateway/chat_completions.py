@@ -129,7 +129,8 @@ class ChatJob(Job):
                 ch["token_ids"] = self._pending_ids.pop(sample.index, []) if k == carrier else []
             if self.continuous_usage:                  # a piece's tokens count from its carrier chunk on
                 done = p.total_tokens if k >= carrier else p.total_tokens - p.num_tokens
-                d["usage"] = usage(len(self.prompts[0]), done, p.reasoning_tokens if self._thinking else None)
+                d["usage"] = usage(len(self.prompts[0]), done, p.reasoning_tokens if self._thinking else None,
+                                   self.cached.get(0, 0))
             elif self.include_usage:
                 d["usage"] = None
             out.append(sse(d))
@@ -145,7 +146,7 @@ class ChatJob(Job):
     def _usage(self, asms) -> dict:
         thinking = self.request.parsing_options.thinking_initial_stage is not None
         return usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()),
-                     sum(a.reasoning_tokens for a in asms.values()) if thinking else None)
+                     sum(a.reasoning_tokens for a in asms.values()) if thinking else None, self.cached_tokens)
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
         return [sse(error_body(message, status, param)), "data: [DONE]\n\n"]
@@ -171,5 +172,5 @@ class ChatJob(Job):
             head["prompt_token_ids"] = self.prompts[0]
         thinking = self.request.parsing_options.thinking_initial_stage is not None
         head["usage"] = usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()),
-                              reasoning if thinking else None)
+                              reasoning if thinking else None, self.cached_tokens)
         return head

@@ -283,7 +283,8 @@ class CompletionJob(Job):
     def events(self, sample: Sample, p: Piece) -> list[str]:
         if not (p.text or p.finish_reason or p.logprobs or (self.return_token_ids and p.token_ids)):
             return []
-        u = usage(len(self.prompts[sample.prompt_index]), p.total_tokens) if self.continuous_usage else None
+        u = usage(len(self.prompts[sample.prompt_index]), p.total_tokens, None,
+                  self.cached.get(sample.prompt_index, 0)) if self.continuous_usage else None
         choice = {"index": sample.index, "text": p.text, "logprobs": p.logprobs, "finish_reason": p.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = p.token_ids
@@ -293,7 +294,8 @@ class CompletionJob(Job):
         out = []
         if self.include_usage:
             out.append(sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                            "choices": [], "usage": usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()))}))
+                            "choices": [], "usage": usage(self.prompt_tokens, sum(a.num_tokens for a in asms.values()),
+                                                          None, self.cached_tokens)}))
         return out + ["data: [DONE]\n\n"]
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:
@@ -310,4 +312,5 @@ class CompletionJob(Job):
             choices.append(c)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices,
-                "usage": usage(self.prompt_tokens, sum(asms[s.index].num_tokens for s in self.samples))}
+                "usage": usage(self.prompt_tokens, sum(asms[s.index].num_tokens for s in self.samples), None,
+                               self.cached_tokens)}

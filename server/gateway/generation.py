@@ -114,6 +114,7 @@ class Generation:
                     m.ttft.observe(now - self._arrival)
                     if s.prompt_index not in self._prefilled:      # counted once it is prefilled
                         self._prefilled.add(s.prompt_index)
+                        self.job.cached[s.prompt_index] = ev.num_cached_tokens
                         m.prompt_tokens.inc(len(self.job.prompts[s.prompt_index]))
                     if ev.queue_time_s is not None:
                         m.queue.observe(ev.queue_time_s)

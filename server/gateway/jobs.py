@@ -83,6 +83,7 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False
     return_token_ids: bool = False      # vLLM extra: ids beside the text
+    cached: dict[int, int] = field(default_factory=dict)   # prompt index -> prefix-cache tokens
 
     kind = "job"                        # the endpoint, for logs
     media_type = "text/event-stream"
@@ -90,6 +91,12 @@ class Job:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache served (``cached``: by prompt index, from the first event
+        of its first sample)."""
+        return sum(self.cached.values())
 
     def assembler(self, sample: Sample) -> Assembler:
         raise NotImplementedError
@@ -119,11 +126,12 @@ def sse(obj: Any, event: str | None = None) -> str:
     return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+          cached_tokens: int = 0) -> dict:
     """OpenAI usage; ``completion_tokens_details.reasoning_tokens`` when the mode reports it,
-    ``prompt_tokens_details.cached_tokens`` 0 (no prefix cache yet)."""
+    ``prompt_tokens_details.cached_tokens``: prompt tokens whose state the prefix cache served."""
     u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-         "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+         "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if reasoning_tokens is not None:
         u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return u

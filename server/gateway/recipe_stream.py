@@ -71,8 +71,16 @@ class RecipeAssembler:
         self.finish_reason: str | None = None
         self.stopped_by_string = False
         self.stop_suffix = ""
-        self._pending = self._out(processor.push(dr.InferenceChunk.ready(
-            prompt_usage=dr.PromptUsage(prompt_tokens=prompt_tokens))))
+        self._prompt_tokens, self._started = prompt_tokens, False
+
+    def _start(self, cached_tokens: int) -> list:
+        """The recipe's ``ready`` chunk, once, at the first event (which says how many prompt
+        tokens the prefix cache served: the recipe reports them in usage)."""
+        if self._started:
+            return []
+        self._started = True
+        return self._out(self._proc.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
+            prompt_tokens=self._prompt_tokens, prompt_cache_hit_tokens=cached_tokens))))
 
     @property
     def finished(self) -> bool:
@@ -94,7 +102,7 @@ class RecipeAssembler:
         """Consume one event; the chunks it produced (streaming) in a piece."""
         if self.finished:
             return Piece(total_tokens=self.num_tokens)
-        out, self._pending = self._pending, []
+        out = self._start(ev.num_cached_tokens)
         ids: list[int] = []
         n0, last = self.num_tokens, len(ev.token_ids) - 1
         proc = self._proc
@@ -129,7 +137,7 @@ class RecipeAssembler:
         """End without a final event (the backend stream ended early)."""
         if self.finished:
             return Piece(total_tokens=self.num_tokens)
-        out, self._pending = self._pending, []
+        out = self._start(0)
         out += self._end(reason)
         return Piece(chunks=out, total_tokens=self.num_tokens, finish_reason=self.finish_reason,
                      reasoning_tokens=self.reasoning_tokens)

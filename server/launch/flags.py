@@ -5,6 +5,7 @@ variable, as argparse does.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -47,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
                         "only with this flag); a layout that does not fit exits 2 (dsv4-plan prints the plan)")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching)")
+    p.add_argument("--prefill-routing", choices=("cache_aware", "least_load", "round_robin"),
+                   default=os.environ.get("DSV4_PREFILL_ROUTING", "cache_aware"),
+                   help="gateway: how a prefill instance is chosen (cache_aware: the one expected to hold the "
+                        "longest prefix of the prompt unless that unbalances load)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
     p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
     p.add_argument("--api-key", action="append",
@@ -129,9 +136,16 @@ def load_config(args):
     if not args.config:
         die(f"launch-pd: --config is required for --role {args.role}")
     try:
-        return RunConfig.from_yaml(args.config)
+        cfg = RunConfig.from_yaml(args.config)
     except ConfigError as e:
         die(f"launch-pd: {e}")            # the message starts with the file path
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        try:
+            cfg = dataclasses.replace(cfg, scheduler_config=dataclasses.replace(
+                cfg.scheduler_config, enable_prefix_caching=args.enable_prefix_caching))
+        except ConfigError as e:
+            die(f"launch-pd: --enable-prefix-caching: {e}")
+    return cfg
 
 
 def select_platform(name: str | None):

@@ -219,6 +219,7 @@ def run_gateway(args) -> int:
     tokenizer = Tokenizer(model_dir)
     backend = PDBackend(pre, dec, lease_s=args.lease_s, worker_timeout_s=args.worker_timeout_s,
                         max_retries=args.max_retries, max_migrations=args.max_migrations,
+                        prefill_routing=args.prefill_routing,
                         reconnect_grace_s=args.reconnect_grace_s,
                         cluster_secret=cluster_secret(args))
     keys = args.api_key or [k for k in os.environ.get("DSV4_API_KEY", "").split(",") if k]

@@ -20,10 +20,12 @@ from __future__ import annotations
 import heapq
 import hmac
 import logging
+import queue
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
 import uvicorn
@@ -82,6 +84,10 @@ class Worker:
         self.metrics = WorkerMetrics(opts.model_name, self.role)
         if engine.spec is not None:          # MTP: the spec_decode_* counters, read from the engine's stats
             self.metrics.track_spec(lambda: engine.spec.stats)
+        self.prefix_cache = getattr(engine.cache, "prefix", None)   # engine.core.prefix_cache (None: off)
+        if self.prefix_cache is not None:
+            self.metrics.track_prefix_cache(lambda: self.prefix_cache)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()   # (fn, Future) run on the loop: ``call``
         self.ctx = zmq.Context()         # its own: close() terms it, which flushes the last replies
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -241,7 +247,27 @@ class Worker:
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "reserved": len(e.reserved), "batch_size": e.limits.batch_size, "kv_usage": used,
                 "free_blocks": free, "total_blocks": total, "max_model_len": e.limits.max_model_len,
+                "prefix_caching": self.prefix_cache is not None,
                 "fingerprint": self.fingerprint, "handshake": self.handshake, **self.extra_load()}
+
+    def call(self, fn, timeout_s: float = 30.0):
+        """Run ``fn()`` on the engine loop (the engine is not thread-safe) and return its result;
+        from another thread (HTTP). Raises TimeoutError, or what ``fn`` raised."""
+        fut: Future = Future()
+        self._calls.put((fn, fut))
+        self.wake()
+        return fut.result(timeout_s)
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:      # noqa: BLE001 - the caller's to handle
+                fut.set_exception(e)
 
     def _drain_requests(self) -> None:
         while True:
@@ -293,6 +319,7 @@ class Worker:
                     self._drain_requests()
                 if self._deadlines:
                     self._expire()
+                self._run_calls()
                 self.tick()
                 if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
                     if self.busy():
@@ -345,6 +372,8 @@ class Worker:
                     "cache_dtype": self.engine.cache.cache_dtype.describe(),
                     # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
                     "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
+                    "prefix_cache": None if (pc := self.prefix_cache) is None else
+                    {"entries": len(pc.entries), "queries": pc.queries, "hits": pc.hits, "evictions": pc.evictions},
                     "exe_mode": r.cfg.exe_mode if r is not None else "eager",
                     "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
                                                      "warmup_s": round(r.warmup_s, 3)},
@@ -354,6 +383,13 @@ class Worker:
         def ready():
             body = {k: v for k, v in self.load().items() if k != "op"}
             return JSONResponse(body, status_code=200 if self.ready else 503)
+
+        @app.post("/reset_prefix_cache")
+        def reset_prefix_cache():
+            """vLLM's endpoint: evict every prefix-cache entry (blocks running requests hold stay)."""
+            if self.prefix_cache is None:
+                raise HTTPException(400, "prefix caching is off (scheduler_config.enable_prefix_caching)")
+            return {"evicted": self.call(self.engine.executor.reset_prefix_cache)}
 
         @app.get("/metrics")
         def metrics():

@@ -153,7 +153,8 @@ class PrefillWorker(Worker):
         reason = finish_reason(tok, job.num_before + 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         if not self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
-                                         "reason": reason.value if reason else None, "queue_s": out.queue_time_s}):
+                                         "reason": reason.value if reason else None, "queue_s": out.queue_time_s,
+                                         "cached": out.num_cached_tokens}):
             return                               # its gateway is gone: aborted and freed (``owner_gone``)
         job.first_sent = True
         seq = e.held.get(rid)
@@ -165,7 +166,9 @@ class PrefillWorker(Worker):
         m = self.metrics
         if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
             m.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
-        m.prompt(job.num_tokens, "local_compute")
+        m.prompt(job.num_tokens - out.num_cached_tokens, "local_compute")
+        if out.num_cached_tokens:
+            m.prompt(out.num_cached_tokens, "cache_hit")
         m.generation_tokens.inc()
         if out.queue_time_s is not None:
             m.queue.observe(out.queue_time_s)
