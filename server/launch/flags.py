@@ -50,10 +50,8 @@ def parser() -> argparse.ArgumentParser:
                    "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching)")
-    p.add_argument("--prefill-routing", choices=("cache_aware", "least_load", "round_robin"),
-                   default=os.environ.get("DSV4_PREFILL_ROUTING", "cache_aware"),
-                   help="gateway: how a prefill instance is chosen (cache_aware: the one expected to hold the "
-                        "longest prefix of the prompt unless that unbalances load)")
+    p.add_argument("--prefill-routing", choices=("cache_aware", "least_load", "round_robin"), default="cache_aware",
+                   help="gateway: how a prefill instance is chosen (server/backends/prefill_router.py)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
     p.add_argument("--decode-addrs", help="gateway: decode instances host[:port],... (default: DECODE_IPS)")
     p.add_argument("--api-key", action="append",

@@ -45,6 +45,7 @@ def test_follow_up_turns_reuse_the_prefix_on_the_instance_that_holds_it(cluster,
     system = [rng.randrange(2, V) for _ in range(256)]
     convs = [system + [rng.randrange(2, V) for _ in range(300)] for _ in range(8)]
     prompt_total = cached_total = seen = 0
+    prev_len = [0] * len(convs)          # each conversation's previous prompt length
     for turn in range(4):
         for c, prompt in enumerate(convs):
             seeded = (turn + c) % 2 == 1
@@ -89,3 +90,25 @@ def test_reset_prefix_cache_evicts_every_entry(cluster):
     dec = cluster.metrics_urls["decode0"].rsplit("/", 1)[0]
     r = httpx.post(dec + "/reset_prefix_cache", timeout=30)
     assert r.status_code == 400 and "enable_prefix_caching" in r.json()["error"]["message"]
+
+
+def test_chat_responses_and_messages_report_the_cached_prompt_tokens(cluster):
+    """A repeated conversation: its second request reports the served prefix in each API's usage
+    field (Chat: prompt_tokens_details.cached_tokens; Responses: input_tokens_details.cached_tokens;
+    Anthropic Messages: cache_read_input_tokens)."""
+    import anthropic
+    system = " ".join(f"rule {i}: answer briefly." for i in range(120))
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "hello there"}]
+    client = OpenAI(base_url=cluster.base_url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = [client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0).usage
+            for _ in range(2)]
+    assert chat[0].prompt_tokens > 2 * CHUNK
+    assert chat[1].prompt_tokens_details.cached_tokens >= CHUNK * ((chat[1].prompt_tokens - 1) // CHUNK) - CHUNK
+    resp = [client.responses.create(model=model, instructions=system, input="hello there", max_output_tokens=2,
+                                    temperature=0).usage for _ in range(2)]
+    assert resp[1].input_tokens_details.cached_tokens > 0
+    anth = anthropic.Anthropic(base_url=cluster.base_url, api_key="none", max_retries=0)
+    msg = [anth.messages.create(model=model, system=system, messages=[{"role": "user", "content": "hello there"}],
+                                max_tokens=2).usage for _ in range(2)]
+    assert msg[1].cache_read_input_tokens > 0

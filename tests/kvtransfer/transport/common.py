@@ -2,7 +2,6 @@
 opened, message builders and receive helpers."""
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
