@@ -209,7 +209,9 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, rec: RequestReco
                 usage = obj.get("usage") or usage
                 for ch in obj.get("choices") or []:
                     n, t = _chunk_tokens(ch, chat)
-                    saw_ids |= isinstance(ch.get("token_ids"), list)
+                    if isinstance(ch.get("token_ids"), list):
+                        saw_ids = True
+                        rec.output_ids += ch["token_ids"]
                     text += t
                     if n == 0:
                         continue
@@ -229,6 +231,7 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, rec: RequestReco
             rec.output_tokens = len(tok.encode(text))
         if usage and usage.get("prompt_tokens"):
             rec.prompt_tokens = usage["prompt_tokens"]      # what the server counted (chat: templated)
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         rec.success = True
     except Exception as e:          # a failed request is recorded, never ends the run
         rec.error = f"{type(e).__name__}: {e}"

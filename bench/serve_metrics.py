@@ -40,6 +40,8 @@ class RequestRecord:
     e2el_s: float = 0.0
     success: bool = False
     error: str = ""
+    cached_tokens: int = 0          # usage.prompt_tokens_details.cached_tokens (the prefix cache)
+    output_ids: list[int] = field(default_factory=list)   # streamed token_ids (when sent)
 
     @property
     def tpot_s(self) -> float | None:
@@ -117,6 +119,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: list
     total_in, total_out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     s = {"completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration_s,
          "total_input_tokens": total_in, "total_output_tokens": total_out,
+         "total_cached_input_tokens": sum(r.cached_tokens for r in ok),
          "request_throughput": len(ok) / dur, "output_throughput": total_out / dur,
          "total_token_throughput": (total_in + total_out) / dur,
          "max_concurrent_requests": max_concurrency(records)}
