@@ -53,14 +53,14 @@ class CacheConfig:
         if self.prefix_slots is not None and self.next_n:
             raise ValueError("cache: prefix caching with MTP (next_n > 0) is not supported yet: the MTP "
                              "window rings of a boundary are final only once the token after it is known")
+        for k in GROWING:
+            if self.num_blocks.get(k, 0) < 0:
+                raise ValueError(f"cache: num_blocks[{k!r}] must be >= 0")
 
     @property
     def num_slots(self) -> int:
         """State slots (and window rings): running requests' plus the prefix cache's."""
         return self.max_seqs + (self.prefix_slots or 0)
-        for k in GROWING:
-            if self.num_blocks.get(k, 0) < 0:
-                raise ValueError(f"cache: num_blocks[{k!r}] must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -159,3 +159,14 @@ def test_plan_hits_the_longest_cached_boundary_and_keeps_the_last():
     chain = chain_hashes(toks, 5)
     assert chain == list(plan.chain) and chain_hashes(toks[:256] + [0] * 384, 5)[:2] == chain[:2]
     assert chain_hashes(toks[:256] + [0] * 384, 5)[2] != chain[2]
+
+
+def test_cache_config_refuses_bad_sizes():
+    from engine.core.block_manager import CacheConfig
+    with pytest.raises(ValueError, match="num_blocks"):
+        CacheConfig(16, 2, {"c4": -1})
+    with pytest.raises(ValueError, match="prefix_slots"):
+        CacheConfig(16, 2, {"c4": 4}, prefix_slots=-1)
+    with pytest.raises(ValueError, match="MTP"):
+        CacheConfig(16, 2, {"c4": 4}, next_n=1, prefix_slots=2)
+    assert CacheConfig(16, 2, {"c4": 4}, prefix_slots=3).num_slots == 5
