@@ -75,14 +75,6 @@ class GatewayMetrics:
             self.registry.register(self._pairs)
         self._pairs.report = report
 
-    def track_prefix_cache(self, stats: Callable[[], object]) -> None:
-        """Export vLLM's prefix-cache counters, read at each scrape from ``stats()`` (the engine's
-        ``engine.core.prefix_cache.PrefixCache``): ``dsv4:prefix_cache_queries_total`` (prompt
-        tokens looked up) and ``dsv4:prefix_cache_hits_total`` (of those, tokens whose state came
-        from the cache), plus ``dsv4:prefix_cache_evictions_total`` (entries). Call once, only
-        with prefix caching on."""
-        self.registry.register(_PrefixCollector(self._v, stats))
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -339,14 +339,17 @@ class BlockManager:
 
     def _make_room(self, need: dict[str, int], keep: bytes | None = None) -> dict[str, tuple[int, int]]:
         """Evict entries (least recently used first, never ``keep``) until ``need`` fits; returns
-        what is still short: pool -> (needed, free)."""
+        what is still short: pool -> (needed, free). Evicts nothing when evicting every entry
+        would not be enough."""
+        if any(n > self.pools[p].num_free + self.pools[p].num_evictable for p, n in need.items()):
+            return {p: (n, self.pools[p].num_free) for p, n in need.items() if n > self.pools[p].num_free}
         while True:
             short = {p: (n, self.pools[p].num_free) for p, n in need.items() if n > self.pools[p].num_free}
             if not short or self.prefix is None or not self._evict(keep):
                 return short
 
-    def _evict(self, keep: bytes | None = None) -> bool:
-        entry = self.prefix.pop_lru(keep)
+    def _evict(self, keep: bytes | None = None, evicted: bool = True) -> bool:
+        entry = self.prefix.pop_lru(keep, evicted)
         if entry is None:
             return False
         self.pools["state"].give([entry.blocks.state_slot], cached=True)
@@ -377,7 +380,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Evict every entry; returns how many there were."""
         n = 0
-        while self.prefix is not None and self._evict():
+        while self.prefix is not None and self._evict(evicted=False):
             n += 1
         return n
 

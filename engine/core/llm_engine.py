@@ -255,7 +255,8 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._finished_out)
 
     def num_free_blocks(self) -> dict[str, int]:
-        """Free blocks per pool (``state``: request slots). Equal to ``num_total_blocks`` when idle."""
+        """Free blocks per pool (``state``: request slots). Equal to ``num_total_blocks`` when idle,
+        less what prefix-cache entries hold."""
         return self.cache.num_free()
 
     def num_total_blocks(self) -> dict[str, int]:

@@ -62,12 +62,11 @@ class PrefixEntry:
 
 @dataclass
 class PrefixPlan:
-    """A new request's use of the cache: ``hit`` (the entry key its state starts from, and that
-    entry's token count; None / 0: no hit), ``snapshots`` (boundaries to keep on the way, as
+    """A new request's use of the cache: ``hit`` (the entry key its state starts from; None: no
+    hit), ``snapshots`` (boundaries to keep on the way, as
     (tokens, key), ascending, past the hit) and ``chain`` (its chunk hashes)."""
 
     hit: bytes | None = None
-    hit_tokens: int = 0
     snapshots: list[tuple[int, bytes]] = field(default_factory=list)
     chain: tuple[bytes, ...] = ()
 
@@ -90,8 +89,7 @@ class PrefixCache:
         hit = next((k for k in range(n, 0, -1) if chain[k - 1] in self.entries), 0)
         shared = next((k for k in range(n) if chain[k] not in self._known), n)
         snaps = sorted({k for k in (shared, n) if k > hit})
-        return PrefixPlan(chain[hit - 1] if hit else None, hit * CHUNK, [(k * CHUNK, chain[k - 1]) for k in snaps],
-                          tuple(chain))
+        return PrefixPlan(chain[hit - 1] if hit else None, [(k * CHUNK, chain[k - 1]) for k in snaps], tuple(chain))
 
     def add(self, key: bytes, entry: PrefixEntry) -> None:
         self.entries[key] = entry
@@ -104,13 +102,14 @@ class PrefixCache:
             self.entries.move_to_end(key)
         return entry
 
-    def pop_lru(self, keep: bytes | None = None) -> PrefixEntry | None:
-        """Remove and return the least recently used entry other than ``keep`` (None: none left)."""
+    def pop_lru(self, keep: bytes | None = None, evicted: bool = True) -> PrefixEntry | None:
+        """Remove and return the least recently used entry other than ``keep`` (None: none left);
+        ``evicted``: count it in ``evictions`` (a reset does not)."""
         key = next((k for k in self.entries if k != keep), None)
         if key is None:
             return None
         entry = self.entries.pop(key)
-        self.evictions += 1
+        self.evictions += evicted
         for h in entry.chain:
             self._known[h] -= 1
             if not self._known[h]:

@@ -140,6 +140,7 @@ class PDBackend:
             q.put_nowait((op, msg))
 
     def _lose(self, inst: Instance, why: str) -> None:
+        self.router.forget(inst.addr)         # a lost or restarted prefill's cache is gone or unknown
         legs, inst.legs = inst.legs, set()
         if legs:
             log.warning("gateway: %s %s %s: %d samples affected", inst.role, inst.addr, why, len(legs))

@@ -8,7 +8,8 @@ prompt to the instance expected to hold its longest prefix when that covers more
 one by more than ``balance_abs`` samples; otherwise to the least-loaded instance, ties going to the
 one that holds the least (SGLang's cache threshold, balance threshold and smallest-tree rule: new
 conversations sharing only a system prompt spread out, follow-up turns stay). The index is approximate: it learns what a worker evicts only by missing it
-there (its entries age out least recently used first). Instances without prefix caching (their
+there (its entries age out least recently used first), and forgets an instance that is lost or
+restarts. Instances without prefix caching (their
 pong says ``prefix_caching``) are chosen by load alone.
 """
 from __future__ import annotations
@@ -60,6 +61,10 @@ class PrefillRouter:
         """Leading chunks of ``chain`` sent to ``addr`` before (tokens = 128 x this)."""
         seen = self._index.get(addr, {})
         return next((k for k, h in enumerate(chain) if h not in seen), len(chain))
+
+    def forget(self, addr: str) -> None:
+        """Drop what ``addr`` was sent (it restarted, or was lost)."""
+        self._index.pop(addr, None)
 
     def _remember(self, addr: str, chain: list[bytes]) -> None:
         seen = self._index.setdefault(addr, OrderedDict())

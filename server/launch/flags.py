@@ -49,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching)")
+                   help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching; "
+                        "decode never caches)")
     p.add_argument("--prefill-routing", choices=("cache_aware", "least_load", "round_robin"), default="cache_aware",
                    help="gateway: how a prefill instance is chosen (server/backends/prefill_router.py)")
     p.add_argument("--prefill-addrs", help="gateway: prefill instances host[:port],... (default: PREFILL_IPS)")
@@ -137,10 +138,13 @@ def load_config(args):
         cfg = RunConfig.from_yaml(args.config)
     except ConfigError as e:
         die(f"launch-pd: {e}")            # the message starts with the file path
-    if getattr(args, "enable_prefix_caching", None) is not None:
+    want = getattr(args, "enable_prefix_caching", None)
+    if args.role == "decode":       # decode receives a request's whole state: nothing to reuse there
+        want = False if cfg.scheduler_config.enable_prefix_caching or want else None
+    if want is not None:
         try:
             cfg = dataclasses.replace(cfg, scheduler_config=dataclasses.replace(
-                cfg.scheduler_config, enable_prefix_caching=args.enable_prefix_caching))
+                cfg.scheduler_config, enable_prefix_caching=want))
         except ConfigError as e:
             die(f"launch-pd: --enable-prefix-caching: {e}")
     return cfg

@@ -20,12 +20,10 @@ from __future__ import annotations
 import heapq
 import hmac
 import logging
-import queue
 import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 
 import uvicorn
@@ -40,6 +38,7 @@ from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
 from server.gateway.protocol import error_body
 from server.metrics import CONTENT_TYPE, WorkerMetrics
+from server.workers.loop_calls import LoopCalls
 from server.workers.layout import quantization_label, state_fingerprint
 from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
 
@@ -87,7 +86,7 @@ class Worker:
         self.prefix_cache = getattr(engine.cache, "prefix", None)   # engine.core.prefix_cache (None: off)
         if self.prefix_cache is not None:
             self.metrics.track_prefix_cache(lambda: self.prefix_cache)
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()   # (fn, Future) run on the loop: ``call``
+        self.calls = LoopCalls(self.wake)      # HTTP handlers' engine calls, run on the loop
         self.ctx = zmq.Context()         # its own: close() terms it, which flushes the last replies
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -242,32 +241,13 @@ class Worker:
     def load(self) -> dict:
         e = self.engine
         free, total = e.num_free_blocks(), e.num_total_blocks()
-        used = max(1 - free[p] / total[p] for p in total if total[p])
+        used = self._kv_usage(free, total)
         return {"op": "pong", "role": self.role, "instance_id": self.instance_id, "ready": self.ready,
                 "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "reserved": len(e.reserved), "batch_size": e.limits.batch_size, "kv_usage": used,
                 "free_blocks": free, "total_blocks": total, "max_model_len": e.limits.max_model_len,
                 "prefix_caching": self.prefix_cache is not None,
                 "fingerprint": self.fingerprint, "handshake": self.handshake, **self.extra_load()}
-
-    def call(self, fn, timeout_s: float = 30.0):
-        """Run ``fn()`` on the engine loop (the engine is not thread-safe) and return its result;
-        from another thread (HTTP). Raises TimeoutError, or what ``fn`` raised."""
-        fut: Future = Future()
-        self._calls.put((fn, fut))
-        self.wake()
-        return fut.result(timeout_s)
-
-    def _run_calls(self) -> None:
-        while True:
-            try:
-                fn, fut = self._calls.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn())
-            except Exception as e:      # noqa: BLE001 - the caller's to handle
-                fut.set_exception(e)
 
     def _drain_requests(self) -> None:
         while True:
@@ -298,8 +278,14 @@ class Worker:
         e, m = self.engine, self.metrics
         m.running.set(len(e.scheduler.running))
         m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + len(getattr(self, "queued", ())))
-        free, total = e.num_free_blocks(), e.num_total_blocks()
-        m.kv_usage.set(max(1 - free[p] / total[p] for p in total if total[p]))
+        m.kv_usage.set(self._kv_usage(e.num_free_blocks(), e.num_total_blocks()))
+
+    def _kv_usage(self, free: dict, total: dict) -> float:
+        """The fullest pool's used fraction; blocks only prefix-cache entries hold count as free
+        (an allocation evicts them), as vLLM counts its cached free blocks."""
+        if self.prefix_cache is not None:
+            free = {p: n + self.engine.cache.pools[p].num_evictable for p, n in free.items()}
+        return max(1 - free[p] / total[p] for p in total if total[p])
 
     def run(self) -> None:
         """The loop: requests, role work, one engine step, outputs. Returns when ``stop`` is set."""
@@ -319,7 +305,7 @@ class Worker:
                     self._drain_requests()
                 if self._deadlines:
                     self._expire()
-                self._run_calls()
+                self.calls.run()
                 self.tick()
                 if self.draining and (not self.busy() or time.monotonic() > self._drain_deadline):
                     if self.busy():
@@ -389,7 +375,7 @@ class Worker:
             """vLLM's endpoint: evict every prefix-cache entry (blocks running requests hold stay)."""
             if self.prefix_cache is None:
                 raise HTTPException(400, "prefix caching is off (scheduler_config.enable_prefix_caching)")
-            return {"evicted": self.call(self.engine.executor.reset_prefix_cache)}
+            return {"evicted": self.calls.call(self.engine.executor.reset_prefix_cache)}
 
         @app.get("/metrics")
         def metrics():

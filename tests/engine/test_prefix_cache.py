@@ -170,3 +170,19 @@ def test_cache_config_refuses_bad_sizes():
     with pytest.raises(ValueError, match="MTP"):
         CacheConfig(16, 2, {"c4": 4}, next_n=1, prefix_slots=2)
     assert CacheConfig(16, 2, {"c4": 4}, prefix_slots=3).num_slots == 5
+
+
+def test_an_allocation_that_cannot_fit_evicts_nothing(model):
+    """A request too large for the pools even with every entry evicted is refused with the cache
+    intact (``reserve`` on decode calls ``allocate`` without asking ``can_allocate`` first)."""
+    from engine.core.block_manager import CacheFullError
+    _, prompts = _conversations(model, 2, 200, seed=4)
+    eng = _engine(model, num_kv_blocks=40, max_model_len=1024, prefix_slots=2)
+    for q in prompts:
+        eng.generate([q], SamplingParams(max_new_tokens=1, temperature=0))
+    n = len(eng.cache.prefix.entries)
+    assert n > 0
+    with pytest.raises(CacheFullError):
+        eng.cache.allocate("huge", 10_000)
+    assert len(eng.cache.prefix.entries) == n and eng.cache.prefix.evictions == 0
+    assert "huge" not in eng.cache.seqs

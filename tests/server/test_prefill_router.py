@@ -54,3 +54,7 @@ def test_the_index_forgets_the_least_recently_sent_chunks():
     from engine.core.prefix_cache import chain_hashes
     chain = chain_hashes(list(range(1000)), 7)
     assert r.expected_hit("a", chain) == 0 and r.expected_hit("b", chain) == 0
+    r.choose([a], list(range(300)))
+    assert r.expected_hit("a", chain) == 2
+    r.forget("a")
+    assert r.expected_hit("a", chain) == 0
