@@ -48,9 +48,7 @@ class Executor:
         """Hold blocks for ``num_tokens`` tokens of ``seq_id``, from the cached prefix ``prefix``
         if it is still there (``BlockManager.allocate``). Raises CacheFullError with nothing taken."""
         self._restore()
-        # a cache without prefix caching (attention DP's DPCache) takes no prefix argument
-        return self.cache.allocate(seq_id, num_tokens) if prefix is None else self.cache.allocate(seq_id, num_tokens,
-                                                                                                  prefix)
+        return self.cache.allocate(seq_id, num_tokens, prefix)
 
     def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
         """Keep ``seq_id``'s state after ``num_tokens`` tokens as prefix-cache entry ``key``

@@ -44,9 +44,10 @@ class DPCache:
     def can_allocate(self, seq_id, num_tokens: int, reserve: dict[str, int] | None = None) -> bool:
         return self._place(seq_id, num_tokens, reserve) is not None
 
-    def allocate(self, seq_id, num_tokens: int) -> SeqBlocks:
-        """As ``PagedCache.allocate`` on the owner (chosen now for a new request). Raises
-        CacheFullError (from the owner, or rank 0's when no rank fits) with nothing taken."""
+    def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None) -> SeqBlocks:
+        """As ``PagedCache.allocate`` on the owner (chosen now for a new request; ``prefix``: None,
+        there is no prefix cache under attention DP). Raises CacheFullError (from the owner, or
+        rank 0's when no rank fits) with nothing taken."""
         r = self.owner.get(seq_id)
         if r is None:
             r = self._place(seq_id, num_tokens)

@@ -141,7 +141,9 @@ class LeaderExecutor(RankExecutor):
     def _owner(self, seq_id) -> int | None:
         return self.cache.rank_of(seq_id) if self.dp_size > 1 else None
 
-    def allocate(self, seq_id, num_tokens: int):
+    def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None):
+        if prefix is not None:   # the other ranks would not repeat the copy (config_checks refuses it)
+            raise ValueError("prefix caching: single-rank instances only")
         new = self.dp_size > 1 and seq_id not in self.cache.owner
         held = super().allocate(seq_id, num_tokens)
         if new:
