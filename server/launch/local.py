@@ -112,6 +112,8 @@ class LocalPD:
         self.metrics_urls: dict[str, str] = {}
         self.ready_urls: dict[str, str] = {}
         pre, dec = [], []
+        if gateway_port:                              # a port the caller chose is never handed to a worker
+            _handed_out.add(int(gateway_port))
         for i in range(num_prefill):
             zp, hp = free_port(), free_port()
             self.cmds[f"prefill{i}"] = launch + ["--role", "prefill", "--port", str(zp), "--http-port", str(hp)] \
