@@ -47,9 +47,6 @@ class CacheConfig:
             raise ValueError(f"cache: block_size {self.block_size} and max_seqs {self.max_seqs} must be >= 1")
         if self.prefix_slots is not None and self.prefix_slots < 0:
             raise ValueError(f"cache: prefix_slots {self.prefix_slots} must be >= 0")
-        if self.prefix_slots is not None and self.next_n:
-            raise ValueError("cache: prefix caching with MTP (next_n > 0) is not supported yet: the MTP "
-                             "window rings of a boundary are final only once the token after it is known")
         for k in GROWING:
             if self.num_blocks.get(k, 0) < 0:
                 raise ValueError(f"cache: num_blocks[{k!r}] must be >= 0")
@@ -195,6 +192,7 @@ class SeqBlocks:
     state_slot: int
     tables: dict[str, list[int]] = field(default_factory=dict)
     num_cached: int = 0      # tokens whose state came from a prefix-cache entry
+    carry: object = None     # that entry's ``PrefixEntry.carry`` (MTP), until the first draft takes it
 
 
 class BlockManager:
@@ -275,7 +273,7 @@ class BlockManager:
         for p in GROWING:
             held.tables.setdefault(p, []).extend(self.pools[p].take(need[p]))
         if entry is not None:
-            held.num_cached = entry.num_tokens
+            held.num_cached, held.carry = entry.num_tokens, entry.carry
             self.copy_state(entry.blocks, held, entry.num_tokens)
         return held
 
@@ -299,11 +297,12 @@ class BlockManager:
             self.pools[p].give(blocks, cached=True)
         return True
 
-    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...], carry=None) -> bool:
         """Keep ``seq_id``'s state after ``num_tokens`` tokens (a multiple of 128, what it holds
-        now) as the prefix-cache entry ``key`` (``chain``: its chunk hashes): its entry blocks
-        shared, its window ring and state slot copied into the entry's own. False when caching
-        is off, ``key`` is already cached, or no ring / slot can be freed for it."""
+        now) as the prefix-cache entry ``key`` (``chain``: its chunk hashes; ``carry``:
+        ``PrefixEntry.carry``): its entry blocks shared, its window ring(s) and state slot copied
+        into the entry's own. False when caching is off, ``key`` is already cached, or no ring /
+        slot can be freed for it."""
         if self.prefix is None or self.prefix.touch(key) is not None:
             return False
         ring = self.geometry.blocks_needed("win", 0)
@@ -316,7 +315,7 @@ class BlockManager:
             n = -(-self.geometry.entries(p, num_tokens) // self.config.block_size)
             snap.tables[p] = self.pools[p].share(held.tables.get(p, [])[:n], cached=True)
         self.copy_state(held, snap, num_tokens)
-        self.prefix.add(key, PrefixEntry(num_tokens, snap, chain))
+        self.prefix.add(key, PrefixEntry(num_tokens, snap, chain, carry))
         return True
 
     def reset_prefix_cache(self) -> int:

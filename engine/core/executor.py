@@ -40,7 +40,7 @@ class Executor:
         # streams and each sequence's first row; a graph step's spec_k by seq_id while it runs
         self.rollbacks: dict = {}
         self.spans: SpanRollback | None = None
-        self.streams, self.offsets = None, {}
+        self.streams, self.offsets, self.last_rows = None, {}, {}
         self._spec: dict | None = None
 
     # ---- state pools --------------------------------------------------------------------------
@@ -52,8 +52,13 @@ class Executor:
 
     def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
         """Keep ``seq_id``'s state after ``num_tokens`` tokens as prefix-cache entry ``key``
-        (``BlockManager.cache_prefix``)."""
-        return self.cache.cache_prefix(seq_id, key, num_tokens, chain)
+        (``BlockManager.cache_prefix``). An MTP engine calls it after the step's ``draft``, whose
+        streams give the entry its ``carry``: the row of position ``num_tokens - 1``, the last
+        ``seq_id`` had in that step."""
+        carry = None
+        if self.streams is not None and seq_id in self.last_rows:
+            carry = self.streams[self.last_rows[seq_id]].clone()
+        return self.cache.cache_prefix(seq_id, key, num_tokens, chain, carry)
 
     def reset_prefix_cache(self) -> int:
         """Evict every prefix-cache entry; returns how many there were."""
@@ -103,7 +108,10 @@ class Executor:
         else:
             self.rollbacks = {sid: Rollback(st, n) for sid, st, n, k in zip(seq_ids, states, lengths, spec_ks) if k}
             hidden, streams = self.model.forward_batch(tokens, states, lengths, layer_hook=layer_hook, streams=True)
-        self.streams, self.offsets = streams, dict(zip(seq_ids, accumulate(lengths, initial=0)))
+        ends = list(accumulate(lengths))
+        self.streams = streams
+        self.offsets = {sid: e - n for sid, e, n in zip(seq_ids, ends, lengths)}
+        self.last_rows = {sid: e - 1 for sid, e in zip(seq_ids, ends)}
         return hidden
 
     def settle(self, seq_id, kept: int) -> None:

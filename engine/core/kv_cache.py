@@ -92,7 +92,7 @@ class PagedCache(BlockManager):
     def copy_state(self, src: SeqBlocks, dst: SeqBlocks, num_tokens: int) -> None:
         """Make ``dst`` hold ``src``'s state after ``num_tokens`` tokens (a multiple of 128: both
         compressors' remainders hold no token, ``engine.core.prefix_cache``): every layer's whole
-        window ring (position p sits at ring slot p % ring_len in both), the state slot, and the
+        window ring, the MTP layers' too (position p sits at ring slot p % ring_len in both), the state slot, and the
         CSA / HCA entry rows of the blocks they do not share. Device copies, one per pool tensor."""
         bs = self.config.block_size
         dev = self.device
@@ -102,7 +102,7 @@ class PagedCache(BlockManager):
                     + torch.arange(bs, device=dev)).flatten()[:n]
 
         src_win, dst_win = rows(src.tables["win"], self.geometry.ring_len), rows(dst.tables["win"], self.geometry.ring_len)
-        for ring in self.win:
+        for ring in (*self.win, *self.mtp_win):
             ring.scatter(dst_win, ring.gather(src_win))
         for _, pair in self.comp_stacks.values():
             for t in pair:

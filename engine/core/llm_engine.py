@@ -312,16 +312,17 @@ class LLMEngine:
         rows, last, off = [], [], 0
         for s, n in zip(batch.seqs, batch.num_tokens):
             s.num_computed += n - s.spec_k          # drafts count once accepted
-            if s.snapshots and s.snapshots[0][0] == s.num_computed:   # a boundary to keep (prefix cache)
-                _, key, chain = s.snapshots.pop(0)
-                self.executor.cache_prefix(s.seq_id, key, s.num_computed, chain)
             off += n
             if s.num_pending == 0:
                 rows.append(s)
                 last += range(off - 1 - s.spec_k, off)        # the pending token's row, then each draft's
         outs = self._sample(rows, hidden[torch.tensor(last, dtype=torch.long, device=dev)]) if rows else []
         if spec is not None:
-            spec.draft()
+            spec.draft()                            # first: an entry copies the MTP rings it writes
+        for s in batch.seqs:
+            if s.snapshots and s.snapshots[0][0] == s.num_computed:   # a boundary to keep (prefix cache)
+                _, key, chain = s.snapshots.pop(0)
+                self.executor.cache_prefix(s.seq_id, key, s.num_computed, chain)
         return outs
 
     def _sample(self, rows: list, hidden: torch.Tensor) -> list[RequestOutput]:

@@ -53,11 +53,15 @@ def chain_hashes(token_ids: Sequence[int], num_chunks: int) -> list[bytes]:
 class PrefixEntry:
     """A cached boundary state: ``num_tokens`` (a multiple of 128), the blocks it holds
     (``engine.core.block_manager.SeqBlocks``: its own ring and state slot, shared entry blocks)
-    and its prefix's chunk hashes."""
+    and its prefix's chunk hashes. ``carry`` (MTP engines): the trunk's output streams at position
+    ``num_tokens - 1`` (``[n, H]`` fp32, a torch tensor), which a reusing request's MTP layer takes
+    with ITS token at ``num_tokens`` to redo that one ring row: the row depends on the token
+    after the boundary, which the key does not cover (``spec_decode.SpecDecoder.draft``)."""
 
     num_tokens: int
     blocks: object
     chain: tuple[bytes, ...]
+    carry: object = None
 
 
 @dataclass

@@ -266,6 +266,9 @@ class SpecDecoder:
 
         A request takes part while it holds state (running, or held for export) and the step
         computed positions of its last ``sliding_window``; it drafts when its next step decodes.
+        The first step after a prefix-cache hit at B also redoes the MTP row of B - 1 from the
+        entry's carried streams (``PrefixEntry.carry``): the entry's row paired B - 1 with the
+        token its maker had at B, this request's token there may differ.
         """
         eng = self.engine
         cache, W = eng.cache, eng.model.args.sliding_window
@@ -277,8 +280,11 @@ class SpecDecoder:
             q0 = max(p0, L1 - W)
             if q0 >= L1:
                 continue
+            carry = q0 == p0 == s.num_cached > 0 and getattr(cache.seqs[s.seq_id], "carry", None) is not None
+            q0 -= carry
             want = self.max_drafts(s) if s.num_pending == 1 else 0
-            plan.append(DraftRow(s.seq_id, q0 - p0, q0, [s.token(q + 1) for q in range(q0, L1)], want))
+            plan.append(DraftRow(s.seq_id, q0 + carry - p0, q0, [s.token(q + 1) for q in range(q0, L1)], want,
+                                 carry))
             seqs.append(s)
         self._rows = []
         if not plan:
@@ -294,13 +300,16 @@ class DraftRow(NamedTuple):
 
     ``row0``: its first catch-up row within its rows of the last ``forward_spec``; ``q0``: that
     row's position; ``tokens``: each catch-up row's next token (``len`` rows); ``want``: drafts
-    to make after the catch-up (0: catch-up only)."""
+    to make after the catch-up (0: catch-up only). ``carry``: the row of ``q0`` is instead the
+    request's ``SeqBlocks.carry`` (a prefix-cache hit's boundary, which its last forward did not
+    compute), and ``row0`` is the row of ``q0 + 1``."""
 
     seq_id: object
     row0: int
     q0: int
     tokens: list[int]
     want: int
+    carry: bool = False
 
 
 @torch.no_grad()
@@ -314,12 +323,23 @@ def run_drafts(model, pools, streams: torch.Tensor, offsets: dict, plan: list[Dr
     still run every collective). Returns each row's drafts (``want`` of them; first max on ties).
     Raises ValueError as ``Transformer.forward_mtp``."""
     dev = streams.device
-    idx = [torch.arange(offsets[r.seq_id] + r.row0, offsets[r.seq_id] + r.row0 + len(r.tokens)) for r in plan]
+    idx = [torch.arange(offsets[r.seq_id] + r.row0, offsets[r.seq_id] + r.row0 + len(r.tokens) - r.carry)
+           for r in plan]
     rows = torch.cat(idx).to(dev) if idx else torch.zeros(0, dtype=torch.long, device=dev)
+    X_in = streams[rows]
+    if any(r.carry for r in plan):          # rare (a prefix hit's first step): rebuild with the carried rows
+        parts = []
+        for r, i in zip(plan, idx):
+            if r.carry:
+                held = pools.seqs[r.seq_id]
+                parts.append(held.carry[None].to(dev, streams.dtype))
+                held.carry = None
+            parts.append(streams[i.to(dev)])
+        X_in = torch.cat(parts)
     toks = torch.tensor([t for r in plan for t in r.tokens], dtype=torch.long, device=dev)
     states = [pools.mtp_state(r.seq_id, r.q0) for r in plan]
     lengths = [len(r.tokens) for r in plan]
-    X, hid = model.forward_mtp(streams[rows], toks, states, lengths)
+    X, hid = model.forward_mtp(X_in, toks, states, lengths)
     pick = [i for i, r in enumerate(plan) if r.want]
     last = (torch.tensor(lengths, dtype=torch.long).cumsum(0) - 1)[pick].to(dev)
     X, hid = X[last], hid[last]

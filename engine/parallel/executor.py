@@ -74,6 +74,7 @@ class RankExecutor(Executor):
             self.streams = streams[torch.tensor([b * T + j for b, r in enumerate(rows) for j in range(len(r[0]))],
                                                 dtype=torch.long, device=streams.device)]
             self.offsets = dict(zip((sid for sid, _ in spec), accumulate((len(r[0]) for r in rows), initial=0)))
+            self.last_rows = {sid: self.offsets[sid] + len(r[0]) - 1 for (sid, _), r in zip(spec, rows)}
         if self.rows_mode != "dp":
             return h
         g = self.model.parallel.groups["moe"]

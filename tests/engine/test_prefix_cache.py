@@ -167,8 +167,6 @@ def test_cache_config_refuses_bad_sizes():
         CacheConfig(16, 2, {"c4": -1})
     with pytest.raises(ValueError, match="prefix_slots"):
         CacheConfig(16, 2, {"c4": 4}, prefix_slots=-1)
-    with pytest.raises(ValueError, match="MTP"):
-        CacheConfig(16, 2, {"c4": 4}, next_n=1, prefix_slots=2)
     assert CacheConfig(16, 2, {"c4": 4}, prefix_slots=3).num_slots == 5
 
 

@@ -349,8 +349,10 @@ def test_missing_file_names_the_file(tmp_path):
 
 def test_prefix_caching_is_refused_where_it_is_not_built():
     assert RunConfig.from_dict({"scheduler_config": {"enable_prefix_caching": True}}).scheduler_config.enable_prefix_caching
-    for bad in ({"model_config": {"next_n": 1}}, {"parallel_config": {"world_size": 2}}):
-        with pytest.raises(ConfigError, match="scheduler_config.enable_prefix_caching: supported on single-rank"):
-            RunConfig.from_dict({**bad, "scheduler_config": {"enable_prefix_caching": True, "batch_size": 2}})
+    with pytest.raises(ConfigError, match="scheduler_config.enable_prefix_caching: supported on single-rank"):
+        RunConfig.from_dict({"parallel_config": {"world_size": 2},
+                             "scheduler_config": {"enable_prefix_caching": True, "batch_size": 2}})
+    assert RunConfig.from_dict({"model_config": {"next_n": 1},
+                                "scheduler_config": {"enable_prefix_caching": True}}).model_config.next_n == 1
     with pytest.raises(ConfigError, match="prefix_cache_slots"):
         RunConfig.from_dict({"scheduler_config": {"prefix_cache_slots": -1}})
