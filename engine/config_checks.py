@@ -135,10 +135,6 @@ def check_dsv4_settings(c: RunConfig) -> None:
         if getattr(cp, name) and m.platform_version not in (None, "A3"):
             raise ConfigError(f"model_config.custom_params.{name}: A3 only, got platform_version "
                               f"{m.platform_version!r}")
-    if c.scheduler_config.enable_prefix_caching and c.parallel_config.world_size > 1:
-        # other ranks would have to repeat each entry's copies (engine.core.prefix_cache): not built yet
-        raise ConfigError("scheduler_config.enable_prefix_caching: supported on single-rank instances for now, "
-                          f"got world_size {c.parallel_config.world_size}")
     if c.parallel_config.cp_size > 1 and m.next_n:
         # the MTP catch-up reads the trunk's output streams, which context-parallel prefill keeps sharded
         raise ConfigError(f"model_config.next_n: MTP needs parallel_config.cp_size 1, got cp_size "

@@ -40,7 +40,7 @@ def cache_layout(engine) -> dict:
     for t in (m.norm.weight, m.layers[0].attn.wq_a.weight, m.layers[-1].ffn.gate.weight):
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return {"block_size": c.block_size, "max_seqs": c.max_seqs, "num_blocks": dict(sorted(c.num_blocks.items())),
-            "next_n": c.next_n, "dtype": str(m.dtype), "cache_dtype": c.cache_dtype.describe(),
+            "next_n": c.next_n, "prefix_slots": c.prefix_slots, "dtype": str(m.dtype), "cache_dtype": c.cache_dtype.describe(),
             "weights": h.hexdigest()[:16]}
 
 
@@ -143,14 +143,30 @@ class LeaderExecutor(RankExecutor):
         return self.cache.rank_of(seq_id) if self.dp_size > 1 else None
 
     def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None):
-        if prefix is not None:   # the other ranks would not repeat the copy (config_checks refuses it)
-            raise ValueError("prefix caching: single-rank instances only")
+        """As ``Executor.allocate``; every rank repeats it, a prefix hit's copies included (each
+        rank's block manager holds the same entries: they replay ``cache_prefix`` and evictions
+        happen inside the calls they replay, in the same order)."""
+        if prefix is not None and self.dp_size > 1:    # an entry would live on one rank (config_checks)
+            raise ValueError("prefix caching: not under attention DP")
         new = self.dp_size > 1 and seq_id not in self.cache.owner
-        held = super().allocate(seq_id, num_tokens)
+        held = super().allocate(seq_id, num_tokens, prefix)
         if new:
             self.dp_placed[self.cache.rank_of(seq_id)] += 1
-        self.pending.append(["alloc", seq_id, num_tokens, self._owner(seq_id)])
+        self.pending.append(["alloc", seq_id, num_tokens, prefix, self._owner(seq_id)])
         return held
+
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
+        """As ``Executor.cache_prefix`` on every rank (sent with the next step, before its
+        forward: a follower's carried streams are still the step's that made the entry)."""
+        if self.dp_size > 1:
+            raise ValueError("prefix caching: not under attention DP")
+        self.pending.append(["cache_prefix", seq_id, key, num_tokens, list(chain), None])
+        return super().cache_prefix(seq_id, key, num_tokens, chain)
+
+    def reset_prefix_cache(self) -> int:
+        """As ``Executor.reset_prefix_cache`` on every rank (the others with the next step)."""
+        self.pending.append(["reset_prefix", None])
+        return super().reset_prefix_cache()
 
     def free(self, seq_id) -> None:
         r = self._owner(seq_id) if seq_id in self.cache.seqs else None

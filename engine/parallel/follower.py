@@ -28,7 +28,11 @@ def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0, runner=Non
                 if op[-1] not in (None, rank):       # another DP rank's request
                     continue
                 if op[0] == "alloc":
-                    ex.allocate(op[1], op[2])
+                    ex.allocate(op[1], op[2], op[3])
+                elif op[0] == "cache_prefix":
+                    ex.cache_prefix(op[1], op[2], op[3], tuple(op[4]))
+                elif op[0] == "reset_prefix":
+                    ex.reset_prefix_cache()
                 elif op[0] == "settle":
                     ex.settle(op[1], op[2])
                 elif op[0] == "free":

@@ -347,12 +347,9 @@ def test_missing_file_names_the_file(tmp_path):
         RunConfig.from_yaml(tmp_path)                              # a directory
 
 
-def test_prefix_caching_is_refused_where_it_is_not_built():
-    assert RunConfig.from_dict({"scheduler_config": {"enable_prefix_caching": True}}).scheduler_config.enable_prefix_caching
-    with pytest.raises(ConfigError, match="scheduler_config.enable_prefix_caching: supported on single-rank"):
-        RunConfig.from_dict({"parallel_config": {"world_size": 2},
-                             "scheduler_config": {"enable_prefix_caching": True, "batch_size": 2}})
-    assert RunConfig.from_dict({"model_config": {"next_n": 1},
-                                "scheduler_config": {"enable_prefix_caching": True}}).model_config.next_n == 1
+def test_prefix_caching_config():
+    for extra in ({}, {"model_config": {"next_n": 1}}, {"parallel_config": {"world_size": 2}}):
+        cfg = RunConfig.from_dict({**extra, "scheduler_config": {"enable_prefix_caching": True, "batch_size": 2}})
+        assert cfg.scheduler_config.enable_prefix_caching
     with pytest.raises(ConfigError, match="prefix_cache_slots"):
         RunConfig.from_dict({"scheduler_config": {"prefix_cache_slots": -1}})

@@ -3,7 +3,8 @@
 MTP catch-up and chain the drafts in lockstep) and a 2-rank decode (attention DP: each rank
 verifies, rolls back and drafts for its own requests, the drafts gathered on the leader). Every
 stream is the in-process next_n 0 engine's, and the decode verifies exactly the drafts an
-in-process next_n 3 engine makes."""
+in-process next_n 3 engine makes. The prefill caches prefixes: sent again, the prompts past 128
+tokens start from their boundary state on both ranks, and the streams stay the same."""
 from __future__ import annotations
 
 import httpx
@@ -36,14 +37,15 @@ def test_two_rank_instances_with_mtp_stream_the_next_n_0_tokens(ckpt, reference,
     prefill = _config("configs/tiny-flash-2rank-prefill.yaml", tmp_path / "prefill.yaml", cp_size=1)
     decode = _config("configs/tiny-flash-2rank-decode.yaml", tmp_path / "decode.yaml")
     pd = start_pd(ckpt, tmp_path / "pd.log", config=MTP_CONFIG,
-                  instance_args={"prefill": ["--config", prefill], "decode": ["--config", decode]})
+                  instance_args={"prefill": ["--config", prefill, "--enable-prefix-caching"],
+                                 "decode": ["--config", decode]})
     try:
         for name in ("prefill0", "decode0"):
             h = _health(pd, name)
             assert h["next_n"] == 3 and h["parallel"]["world_size"] == 2, name
         assert _health(pd, "prefill0")["parallel"]["attention"] == "replicated"
         assert_completions_match(pd, reference, CASES, MAX_TOKENS)        # next_n 0 in process: same ids
-        wait_idle(pd, ["prefill0", "decode0"])
+        wait_idle(pd, ["decode0"])                # (the prefill keeps its prefix-cache entries)
         dec = _health(pd, "decode0")
         assert dec["parallel"]["attention"] == "dp" and min(dec["parallel"]["dp_requests_total"]) >= 1, dec
         # the drafts each request verified are those an in-process next_n 3 engine makes for it alone
@@ -56,5 +58,12 @@ def test_two_rank_instances_with_mtp_stream_the_next_n_0_tokens(ckpt, reference,
         assert dec["spec_decode"] == {"num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
                                       "num_accepted_tokens": st.num_accepted_tokens,
                                       "num_accepted_tokens_per_pos": st.num_accepted_tokens_per_pos}
+        assert _health(pd, "prefill0")["prefix_cache"]["hits"] == 0
+        assert_completions_match(pd, reference, CASES, MAX_TOKENS)        # again: the 131 / 150 prompts hit 128
+        wait_idle(pd, ["decode0"])
+        assert _health(pd, "prefill0")["prefix_cache"]["hits"] == 2 * 128
+        url = pd.ready_urls["prefill0"].replace("/ready", "/reset_prefix_cache")
+        assert httpx.post(url, timeout=10).json()["evicted"] >= 2
+        wait_idle(pd, ["prefill0", "decode0"])    # on both ranks (rank 1 with the next step: none comes)
     finally:
         pd.stop()

@@ -1,0 +1,75 @@
+"""Prefix caching on a multi-rank instance: every rank repeats each entry's snapshot, each hit's
+copies and each eviction (``LeaderExecutor`` sends them with the step, ``follow`` replays them),
+so a follower's pools and entries stay the leader's, MTP rings and carried streams included, and
+the tokens are an uncached single-rank engine's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.core.prefix_cache import CHUNK
+from engine.core.sampling_params import SamplingParams
+from rank_pair import pools_equal, rank_pair, sync
+
+
+def _config(tmp_path, src: str, slots: int) -> str:
+    text = open(src).read().replace("scheduler_config:\n", f"scheduler_config:\n  enable_prefix_caching: True\n"
+                                                          f"  prefix_cache_slots: {slots}\n  max_prefill_tokens: 200\n", 1)
+    text = text.replace("  max_prefill_tokens: 2048\n", "").replace("  batch_size: 8\n", "  batch_size: 2\n")
+    out = tmp_path / "prefix.yaml"
+    out.write_text(text)
+    return str(out)
+
+
+def _entries_equal(a, b) -> None:
+    ea, eb = a.prefix.entries, b.prefix.entries
+    assert list(ea) == list(eb)                           # same keys, same LRU order
+    for k in ea:
+        assert (ea[k].num_tokens, ea[k].blocks.tables, ea[k].blocks.state_slot) == \
+            (eb[k].num_tokens, eb[k].blocks.tables, eb[k].blocks.state_slot)
+        assert (ea[k].carry is None) == (eb[k].carry is None)
+        if ea[k].carry is not None:
+            assert torch.equal(ea[k].carry, eb[k].carry)
+
+
+@pytest.mark.parametrize("config", ["configs/tiny-flash.yaml", "configs/tiny-flash-mtp.yaml"])
+def test_a_follower_replays_snapshots_hits_and_evictions(ckpt, reference, tmp_path, config):
+    """Two conversations x 3 turns over a shared 300-token system prompt, greedy and seeded, with
+    one entry slot beyond the 2 requests' (entries are evicted): after every step the follower's
+    pools and entries equal the leader's; later turns hit; tokens are the uncached engine's;
+    a reset on the leader reaches the follower and every block is free again."""
+    pair = rank_pair(ckpt, _config(tmp_path, config, 1))
+    leader, follower, mirror = next(pair)
+    try:
+        rng = random.Random(7)
+        V = leader.model.args.vocab_size
+        sys_p = [rng.randrange(1000, V) for _ in range(300)]
+        prompts = [sys_p + [rng.randrange(1000, V) for _ in range(rng.randint(20, 120))] for _ in range(2)]
+        cached = []
+        for turn in range(3):
+            params = [SamplingParams(max_new_tokens=5, temperature=t, seed=turn, ignore_eos=True) for t in (0.0, 0.8)]
+            want = [reference.generate([p], q)[0].output_ids for p, q in zip(prompts, params)]
+            for i, (p, q) in enumerate(zip(prompts, params)):
+                leader.add_request(f"t{turn}c{i}", p, q)
+            got = {}
+            while leader.has_unfinished():
+                for out in leader.step():
+                    got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finished:
+                        cached.append(out.num_cached_tokens)
+                sync(mirror)
+                pools_equal(leader.cache, follower.cache)
+                _entries_equal(leader.cache, follower.cache)
+            assert [got[f"t{turn}c{i}"] for i in range(2)] == want
+            prompts = [p + got[f"t{turn}c{i}"] + [rng.randrange(1000, V) for _ in range(40)]
+                       for i, p in enumerate(prompts)]
+        assert max(cached) >= 2 * CHUNK and leader.cache.prefix.evictions > 0
+        assert leader.executor.reset_prefix_cache() > 0         # what POST /reset_prefix_cache calls
+        sync(mirror)
+        pools_equal(leader.cache, follower.cache)
+        assert not follower.cache.prefix.entries
+        assert follower.num_free_blocks() == follower.num_total_blocks() == leader.num_free_blocks()
+    finally:
+        next(pair, None)                                        # rank_pair's teardown
