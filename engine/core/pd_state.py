@@ -165,6 +165,18 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
                 comp.prev_score.copy_(tensors[f"layers.{l}.{name}.prev_score"])
 
 
+def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
+    """A contiguous ``SequenceState`` after ``num_tokens`` tokens as ``cache.state_tensors`` names
+    (what ``load_state_tensors`` writes into paged pools; reference §4)."""
+    out = {}
+    for l, layer in enumerate(st.layers):
+        W = layer.win_kv.num_rows
+        n = min(num_tokens, W - 1)
+        win = layer.win_kv.gather(torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W)
+        out.update(layer_state_tensors(l, layer, win, num_tokens))
+    return out
+
+
 # ---- the MTP layers' window rings (next_n > 0): final only after the step that drafts ----------
 def mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int) -> dict[str, torch.Tensor]:
     """``mtp.k.win_kv``: MTP layer k's ring rows of positions L-n .. L-1, n = min(L, W-1), as

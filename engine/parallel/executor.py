@@ -22,7 +22,7 @@ from itertools import accumulate
 import torch
 
 from engine.core.executor import Executor, load_split
-from engine.core.pd_state import layer_state_tensors, load_state_tensors
+from engine.core.pd_state import load_state_tensors, sequence_state_tensors
 from engine.core.spec_decode import DraftRow
 from engine.parallel.comm import gather_rows
 from engine.parallel.dp_cache import DPCache
@@ -380,18 +380,6 @@ class LeaderExecutor(RankExecutor):
             self._send({"op": "stop"}, [])
         except Exception:                 # noqa: BLE001 - they may be gone already
             pass
-
-
-def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
-    """A contiguous ``SequenceState`` after ``num_tokens`` tokens as ``cache.state_tensors`` names
-    (what ``load_state_tensors`` writes into paged pools; reference §4)."""
-    out = {}
-    for l, layer in enumerate(st.layers):
-        W = layer.win_kv.num_rows
-        n = min(num_tokens, W - 1)
-        win = layer.win_kv.gather(torch.arange(num_tokens - n, num_tokens, device=layer.win_kv.device) % W)
-        out.update(layer_state_tensors(l, layer, win, num_tokens))
-    return out
 
 
 def _rows(seqs: list[int], offs: list[int]) -> torch.Tensor:

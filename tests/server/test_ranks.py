@@ -12,7 +12,7 @@ from engine.build import build_engine, check_min_ranks
 from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
-from engine.parallel.executor import sequence_state_tensors
+from engine.core.pd_state import sequence_state_tensors
 from engine.run_config import ParallelConfig, RunConfig, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import free_port
