@@ -1,6 +1,7 @@
 """Multi-rank instances behind the gateway (real processes, gloo): a 2-rank prefill (zig-zag
 context parallel + expert parallel + LM-head TP) and a 2-rank decode (expert parallel + embedding /
-LM-head / o_proj TP) give the single-process engine's tokens; losing a rank takes its instance out
+LM-head / o_proj TP) give the single-process engine's tokens, also when the prefill starts from
+its cached prefixes (context-parallel chunks ending at the boundaries it keeps); losing a rank takes its instance out
 of routing in bounded time while the gateway serves through the others."""
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _wait(cond, timeout_s: float, what: str) -> float:
 
 
 def test_two_rank_prefill_and_decode_equal_the_single_process_engine(ckpt, reference, tmp_path):
-    pd = start_pd(ckpt, tmp_path / "pd.log", instance_args={"prefill": PREFILL2, "decode": DECODE2})
+    pd = start_pd(ckpt, tmp_path / "pd.log", instance_args={"prefill": PREFILL2 + ["--enable-prefix-caching"],
+                                                            "decode": DECODE2})
     try:
         for name in ("prefill0", "decode0"):
             par = _health(pd, name)["parallel"]
@@ -61,6 +63,13 @@ def test_two_rank_prefill_and_decode_equal_the_single_process_engine(ckpt, refer
         assert _health(pd, "prefill0")["parallel"]["cp_prefills"] >= 2
         dec = _health(pd, "decode0")["parallel"]
         assert dec["attention"] == "dp" and min(dec["dp_requests_total"]) >= 1, dec    # both ranks decoded
+        wait_idle(pd, ["decode0"])
+        assert _health(pd, "prefill0")["prefix_cache"]["hits"] == 0
+        assert_completions_match(pd, reference, cases, max_tokens=6)       # again: from each last boundary
+        wait_idle(pd, ["decode0"])
+        assert _health(pd, "prefill0")["prefix_cache"]["hits"] == 512 + 640 + 128 + 2176
+        url = pd.ready_urls["prefill0"].replace("/ready", "/reset_prefix_cache")
+        assert httpx.post(url, timeout=10).json()["evicted"] >= 4
         wait_idle(pd, ["prefill0", "decode0"])
     finally:
         pd.stop()
