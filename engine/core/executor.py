@@ -64,6 +64,11 @@ class Executor:
         """Evict every prefix-cache entry; returns how many there were."""
         return self.cache.reset_prefix_cache()
 
+    def cp_first_chunk(self) -> int:
+        """The fewest tokens a prompt's first chunk runs context parallel with (0: never); the
+        scheduler keeps no prefix-cache boundary that would cut such a chunk shorter."""
+        return 0
+
     def free(self, seq_id) -> None:
         """Return everything ``seq_id`` holds (none: nothing happens)."""
         self._restore()

@@ -151,7 +151,10 @@ class Scheduler:
         plan = prefix.plan(seq.prompt_ids + seq.output_ids, seq.num_tokens)
         held = self.blocks.allocate(seq.seq_id, self._target(seq), plan.hit)
         seq.num_computed = seq.num_cached = held.num_cached
-        seq.snapshots = [(n, key, plan.chain[:n // CHUNK]) for n, key in plan.snapshots if n > seq.num_computed]
+        # a context-parallel first chunk is worth more than an entry at a short shared prefix
+        cp_min = self.blocks.cp_first_chunk() if hasattr(self.blocks, "cp_first_chunk") else 0
+        low = cp_min if cp_min and not seq.num_computed and seq.num_tokens >= cp_min else seq.num_computed + 1
+        seq.snapshots = [(n, key, plan.chain[:n // CHUNK]) for n, key in plan.snapshots if n >= low]
         prefix.count(seq.num_tokens, seq.num_cached)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:

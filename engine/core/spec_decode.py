@@ -326,8 +326,9 @@ def run_drafts(model, pools, streams: torch.Tensor, offsets: dict, plan: list[Dr
     idx = [torch.arange(offsets[r.seq_id] + r.row0, offsets[r.seq_id] + r.row0 + len(r.tokens) - r.carry)
            for r in plan]
     rows = torch.cat(idx).to(dev) if idx else torch.zeros(0, dtype=torch.long, device=dev)
-    X_in = streams[rows]
-    if any(r.carry for r in plan):          # rare (a prefix hit's first step): rebuild with the carried rows
+    if not any(r.carry for r in plan):
+        X_in = streams[rows]
+    else:                                   # rare (a prefix hit's first step): with the carried rows
         parts = []
         for r, i in zip(plan, idx):
             if r.carry:

@@ -146,7 +146,7 @@ class LeaderExecutor(RankExecutor):
         """As ``Executor.allocate``; every rank repeats it, a prefix hit's copies included (each
         rank's block manager holds the same entries: they replay ``cache_prefix`` and evictions
         happen inside the calls they replay, in the same order)."""
-        if prefix is not None and self.dp_size > 1:    # an entry would live on one rank (config_checks)
+        if prefix is not None and self.dp_size > 1:    # an entry would live on one rank: DPCache keeps none
             raise ValueError("prefix caching: not under attention DP")
         new = self.dp_size > 1 and seq_id not in self.cache.owner
         held = super().allocate(seq_id, num_tokens, prefix)
@@ -164,9 +164,16 @@ class LeaderExecutor(RankExecutor):
         return super().cache_prefix(seq_id, key, num_tokens, chain)
 
     def reset_prefix_cache(self) -> int:
-        """As ``Executor.reset_prefix_cache`` on every rank (the others with the next step)."""
+        """As ``Executor.reset_prefix_cache`` on every rank (the others with the next step: until
+        then they hold the entries' blocks, which no call of theirs can need first). Attention DP
+        keeps no entries: 0."""
+        if self.dp_size > 1:
+            return 0
         self.pending.append(["reset_prefix", None])
         return super().reset_prefix_cache()
+
+    def cp_first_chunk(self) -> int:
+        return self.cp_min_tokens if self.cp_prefill is not None else 0
 
     def free(self, seq_id) -> None:
         r = self._owner(seq_id) if seq_id in self.cache.seqs else None
