@@ -280,7 +280,7 @@ class SpecDecoder:
             q0 = max(p0, L1 - W)
             if q0 >= L1:
                 continue
-            carry = q0 == p0 == s.num_cached > 0 and getattr(cache.seqs[s.seq_id], "carry", None) is not None
+            carry = q0 == p0 == s.num_cached > 0 and cache.seqs[s.seq_id].carry is not None
             q0 -= carry
             want = self.max_drafts(s) if s.num_pending == 1 else 0
             plan.append(DraftRow(s.seq_id, q0 + carry - p0, q0, [s.token(q + 1) for q in range(q0, L1)], want,

@@ -22,12 +22,18 @@ class DPCache:
         local: rank 0's pools (a real ``PagedCache``). dp: attention-DP ranks (>= 1).
     """
 
+    prefix = None        # no prefix cache: an entry would live on one rank, a hit must be placed there
+
     def __init__(self, local: PagedCache, dp: int):
         self.ranks: list[BlockManager] = [local] + [BlockManager(local.args, local.config) for _ in range(dp - 1)]
         self.args, self.config, self.dtype, self.device = local.args, local.config, local.dtype, local.device
         self.cache_dtype, self.kv_codec, self.idx_codec = local.cache_dtype, local.kv_codec, local.idx_codec
         self.geometry = local.geometry
         self.owner: dict[object, int] = {}
+
+    def reset_prefix_cache(self) -> int:
+        """No entries to evict: 0."""
+        return 0
 
     @property
     def seqs(self) -> dict[object, SeqBlocks]:

@@ -145,9 +145,8 @@ class LeaderExecutor(RankExecutor):
     def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None):
         """As ``Executor.allocate``; every rank repeats it, a prefix hit's copies included (each
         rank's block manager holds the same entries: they replay ``cache_prefix`` and evictions
-        happen inside the calls they replay, in the same order)."""
-        if prefix is not None and self.dp_size > 1:    # an entry would live on one rank: DPCache keeps none
-            raise ValueError("prefix caching: not under attention DP")
+        happen inside the calls they replay, in the same order; attention DP's ``DPCache`` keeps
+        none, so its scheduler never passes a prefix)."""
         new = self.dp_size > 1 and seq_id not in self.cache.owner
         held = super().allocate(seq_id, num_tokens, prefix)
         if new:
@@ -158,17 +157,12 @@ class LeaderExecutor(RankExecutor):
     def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
         """As ``Executor.cache_prefix`` on every rank (sent with the next step, before its
         forward: a follower's carried streams are still the step's that made the entry)."""
-        if self.dp_size > 1:
-            raise ValueError("prefix caching: not under attention DP")
         self.pending.append(["cache_prefix", seq_id, key, num_tokens, list(chain), None])
         return super().cache_prefix(seq_id, key, num_tokens, chain)
 
     def reset_prefix_cache(self) -> int:
         """As ``Executor.reset_prefix_cache`` on every rank (the others with the next step: until
-        then they hold the entries' blocks, which no call of theirs can need first). Attention DP
-        keeps no entries: 0."""
-        if self.dp_size > 1:
-            return 0
+        then they hold the entries' blocks, which no call of theirs can need first)."""
         self.pending.append(["reset_prefix", None])
         return super().reset_prefix_cache()
 
