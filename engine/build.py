@@ -11,6 +11,7 @@ from engine.cache_dtype import CacheDtype
 from engine.config import ConfigError, ModelArgs
 from engine.config_checks import check_min_ranks
 from engine.core.executor import ExecutorFactory
+from engine.core.grammar import GrammarBackend
 from engine.core.llm_engine import LLMEngine
 from engine.ops import ops_for, residual_dtype_for
 from engine.platform import detect
@@ -121,6 +122,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,
                     residual_dtype_for(plat.kind, DTYPES[cfg.model_config.dtype]))
     engine = _size(cfg, model, path, executor)
+    engine.grammar = GrammarBackend(path, model.args.vocab_size, tuple(engine.eos_ids))
     if graph and ex.graph:
         exe = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
         # an MTP engine's step verifies the pending token and up to next_n drafts per request

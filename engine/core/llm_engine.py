@@ -16,13 +16,14 @@ import torch
 from engine.cache_dtype import CacheDtype
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry
 from engine.core.executor import Executor, ExecutorFactory
+from engine.core.grammar import GrammarBackend, accept
 from engine.core.kv_cache import PagedCache, size_pools
 from engine.core.model_runner import forward_packed, spec_graph
 from engine.core.pd_state import mtp_state_tensors, state_tensors
 from engine.core.request import (FinishReason, RequestError, RequestOutput, Sequence, SeqStatus, StepStats,
                                  check_request, finish_reason)
-from engine.core.sampler import sample_device, unpack
-from engine.core.sampling_params import SampleRow, Sampled, SamplingParams
+from engine.core.sample_step import sample_rows
+from engine.core.sampling_params import Sampled, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerLimits
 from engine.core.spec_decode import SpecDecoder
 from engine.model.transformer import Transformer
@@ -69,6 +70,8 @@ class LLMEngine:
         self.runner = None
         # MTP speculative decoding (next_n > 0): drafts, verification, rollback
         self.spec = SpecDecoder(self, cache_config.next_n) if cache_config.next_n else None
+        # constrained decoding (SamplingParams.structured): compiles grammars against the tokenizer
+        self.grammar: GrammarBackend | None = None
 
     @classmethod
     def build(cls, model: Transformer, block_size: int = 128, batch_size: int = 8, max_prefill_tokens: int = 2048,
@@ -109,7 +112,7 @@ class LLMEngine:
         """
         self._check_new(request_id, prompt_ids, params, output_ids)
         seq = Sequence(request_id, list(prompt_ids), params.with_seed(), hold_state=hold_state,
-                       output_ids=list(output_ids))
+                       output_ids=list(output_ids), matcher=self._matcher(params, output_ids))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -120,6 +123,15 @@ class LLMEngine:
                     or any(o.request_id == rid for o in self._finished_out))
         check_request(request_id, prompt_ids, params, output_ids, self.model.args.vocab_size,
                       self.limits.max_model_len, in_use)
+
+    def _matcher(self, params: SamplingParams, output_ids: list[int]):
+        """The sample's grammar matcher (None: unconstrained). Raises RequestError naming
+        ``structured`` (no tokenizer, or the constraint does not compile) or ``output_ids``."""
+        if params.structured is None:
+            return None
+        if self.grammar is None:
+            raise RequestError("structured: this engine has no tokenizer for constrained decoding")
+        return self.grammar.matcher(params.structured, output_ids)
 
     # ---- P/D: a request's state out of a prefill engine, into a decode engine ------------------
     def export_state(self, request_id: str) -> tuple[Sequence, dict[str, torch.Tensor]]:
@@ -164,9 +176,10 @@ class LLMEngine:
         if len(self.scheduler.running) + len(self.reserved) >= self.limits.batch_size:
             raise CacheFullError(f"batch full: {self.limits.batch_size} requests running or reserved")
         L = len(prompt_ids) + len(output_ids)
+        matcher = self._matcher(params, output_ids)
         self.executor.allocate(request_id, min(L + 1 + self.limits.num_reserved_decode_tokens, self.limits.max_model_len))
         self.reserved[request_id] = Sequence(request_id, list(prompt_ids), params, output_ids=list(output_ids),
-                                             num_computed=L)
+                                             num_computed=L, matcher=matcher)
         self.scheduler.num_reserved = len(self.reserved)
 
     def load_state(self, request_id: str, tensors: dict[str, torch.Tensor], layers: list[int] | None = None) -> None:
@@ -316,53 +329,13 @@ class LLMEngine:
             if s.num_pending == 0:
                 rows.append(s)
                 last += range(off - 1 - s.spec_k, off)        # the pending token's row, then each draft's
-        outs = self._sample(rows, hidden[torch.tensor(last, dtype=torch.long, device=dev)]) if rows else []
+        outs = sample_rows(self, rows, hidden[torch.tensor(last, dtype=torch.long, device=dev)]) if rows else []
         if spec is not None:
             spec.draft()                            # first: an entry copies the MTP rings it writes
         for s in batch.seqs:
             if s.snapshots and s.snapshots[0][0] == s.num_computed:   # a boundary to keep (prefix cache)
                 _, key, chain = s.snapshots.pop(0)
                 self.executor.cache_prefix(s.seq_id, key, s.num_computed, chain)
-        return outs
-
-    def _sample(self, rows: list, hidden: torch.Tensor) -> list[RequestOutput]:
-        """Sample ``rows`` (requests whose pending tokens all ran; each with ``spec_k`` drafts
-        after them: ``1 + spec_k`` rows of ``hidden`` each, verified by ``spec.accept``) and
-        append what each keeps."""
-        want = [SampleRow(s.params, s.num_tokens + j, s.prompt_ids, s.output_ids + s.draft_ids[:j])
-                for s in rows for j in range(1 + s.spec_k)]
-        try:
-            logits = self.executor.logits(hidden)
-            t = time.perf_counter()
-            # the step's one copy to the host: ids, requested logprobs and finite flags
-            sampled, finite = unpack(sample_device(logits, want).tolist(), want)
-            self.stats.sample_s += time.perf_counter() - t
-        except Exception:
-            # the rows' states are advanced past what they sampled: they cannot continue
-            log.exception("logits / sampling failed; failing %d requests", len(rows))
-            for s in rows:
-                self._finish(s, FinishReason.ABORT)
-            return []
-        now = time.monotonic()
-        outs, i = [], 0
-        for s in rows:
-            n, i = 1 + s.spec_k, i + 1 + s.spec_k
-            got = sampled[i - n:i]
-            if not all(finite[i - n:i]):
-                log.error("request %s: non-finite logits at position %d; aborted", s.seq_id, s.num_tokens)
-                self._finish(s, FinishReason.ABORT)
-                continue
-            if self.spec is not None:
-                got = got[: self.spec.accept(s, [g.token_id for g in got]) + 1]
-            out, kept = None, 0
-            for smp in got:
-                o = self._append(s, smp, now)
-                out, kept = (o if out is None else out.merged(o)), kept + 1
-                if o.finished:          # a stop inside an accepted run: the rest is not kept
-                    break
-            if self.spec is not None:
-                self.spec.settle(s, kept)
-            outs.append(out)
         return outs
 
     def _append(self, s: Sequence, smp: Sampled, now: float) -> RequestOutput:
@@ -372,7 +345,9 @@ class LLMEngine:
             s.first_token_time = now
         s.token_times.append(now)
         tok = smp.token_id
-        reason = finish_reason(tok, len(s.output_ids), s.num_tokens, s.params, self.eos_ids, self.limits.max_model_len)
+        reason = accept(s, tok) if s.matcher is not None else None      # a complete grammar ends it
+        reason = reason or finish_reason(tok, len(s.output_ids), s.num_tokens, s.params, self.eos_ids,
+                                         self.limits.max_model_len)
         if reason is not None:
             self.scheduler.finish(s, reason, keep_state=s.hold_state)
             del self.seqs[s.seq_id]

@@ -99,6 +99,7 @@ class Sequence:
     num_cached: int = 0           # tokens whose state came from the prefix cache at admission
     # prefix caching: boundaries to keep once computed, as (tokens, key, chunk hashes), ascending
     snapshots: list[tuple[int, bytes, tuple[bytes, ...]]] = field(default_factory=list)
+    matcher: object = None        # constrained decoding: the sample's xgrammar GrammarMatcher (engine.core.grammar)
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.grammar import apply_token_bitmask
 from engine.core.sampling_params import Sampled, SampleRow, position_seed
 
 # token ids travel to the host in the fp32 result tensor: exact below 2^24 (DeepSeek-V4: 129,280)
@@ -156,12 +157,16 @@ def _draw(work: torch.Tensor, sb: SampleBatch) -> torch.Tensor:
     return probs.div_(exponential_noise(sb.key, probs.shape[-1])).argmax(dim=-1)
 
 
-def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def sample_device(logits: torch.Tensor, rows: list[SampleRow],
+                  mask: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
     """Device half: pick one token per row without leaving the logits' device.
 
     Args:
         logits: ``[B, V]`` fp32 model logits (not modified), V < 2^24.
         rows: B sequences' params, positions and histories.
+        mask: the constrained rows' token bitmask (``engine.core.grammar.token_bitmask``): their
+            other tokens get -inf before anything else, so the draw and the logprobs are those of
+            the masked logits (vLLM's order); the finite flag still checks the model's logits.
     Returns:
         ``[B, 3 + 2 * top_n]`` fp32 on the logits' device (top_n: the most alternatives a row asked
         for, at most V): per row the token id, its raw logprob (NaN when the row asked for none), top_n
@@ -173,6 +178,12 @@ def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if V >= MAX_VOCAB:
         raise ValueError(f"vocab {V} >= 2^24: token ids are not exact in the fp32 result")
     logits = logits.detach().float()
+    # a NaN / inf logit makes the row sum non-finite (so would a sum past 3e38, which only a
+    # broken model gives); 50x cheaper than isfinite().all() on the CPU
+    finite = torch.isfinite(logits.sum(dim=-1, keepdim=True)).float()
+    if mask is not None:
+        logits = logits.clone()
+        apply_token_bitmask(logits, mask)
     sb = sample_batch(rows, V, logits.device)
     work = logits
     if sb.penalised:
@@ -199,9 +210,7 @@ def sample_device(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         ids = rank.topk(top_n, dim=-1).indices.sort(dim=-1).values
         vals, order = lp.gather(1, ids).sort(dim=-1, descending=True, stable=True)
         cols += [ids.gather(1, order).float(), vals]
-    # a NaN / inf logit makes the row sum non-finite (so would a sum past 3e38, which only a
-    # broken model gives); 50x cheaper than isfinite().all() on the CPU
-    cols.append(torch.isfinite(logits.sum(dim=-1, keepdim=True)).float())
+    cols.append(finite)
     return torch.cat(cols, dim=1)
 
 

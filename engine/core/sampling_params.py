@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_STRUCTURED_CHARS = 1 << 20      # a structural tag's JSON text (a long tool list fits)
 _GREEDY_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
 
@@ -28,6 +29,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k -1 (or 0) disables top-k. ``logprobs``: None for none, else
     the number of top alternatives (0..20) returned beside the chosen token's logprob.
     ``seed`` None: the engine draws one at admission (so the P/D split still agrees).
+    ``structured``: the output constraint as an xgrammar structural tag (JSON text), enforced by
+    constrained decoding (``engine.core.grammar``); None: unconstrained.
     """
 
     max_new_tokens: int = 16
@@ -42,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: str | None = None
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -74,6 +78,9 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(self.logprobs is None or (integer("logprobs") and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be null or an integer in [0, {MAX_LOGPROBS}]")
+        need(self.structured is None or (isinstance(self.structured, str) and self.structured.startswith("{")
+                                         and len(self.structured) <= MAX_STRUCTURED_CHARS), "structured",
+             f"must be null or a JSON object text of at most {MAX_STRUCTURED_CHARS} characters")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

@@ -28,12 +28,15 @@ from server.gateway.jobs import (Job, Piece, Sample, check_common, check_logprob
                                  sample_seed, sampling_params, sse, usage)
 from server.gateway.protocol import ApiError, ChatCompletionRequest, error_body
 from server.gateway.recipe_stream import RecipeAssembler
+from server.gateway.structured import structural_tag
 
 
-def recipe_sampling(body: dict, cr: dr.ConversationRequest) -> dict:
-    """Sampling fields: the request's, with temperature / top_p from the recipe when not sent."""
+def recipe_sampling(body: dict, cr: dr.ConversationRequest, fmt: DeepSeekFormat) -> dict:
+    """Sampling fields: the request's, with temperature / top_p from the recipe when not sent, and
+    the output constraint's grammar (``server.gateway.structured``)."""
     io = cr.inference_options
     fields = dict(body)
+    fields["structured"] = structural_tag(cr, body, fmt.starts_in_reasoning(cr), fmt.marker_ids)
     if fields.get("temperature") is None:
         fields["temperature"] = io.temperature
     if fields.get("top_p") is None:
@@ -59,7 +62,7 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
     ids = fmt.encode(cr, max_model_len, "messages")
     max_new = fmt.max_tokens(cr, len(ids), max_model_len, "messages",
                              "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    fields = recipe_sampling(body, cr)
+    fields = recipe_sampling(body, cr, fmt)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     samples = [Sample(i, 0, f"{base}-{i}", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, i),
                                                            "top_logprobs"))

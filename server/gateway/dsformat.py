@@ -18,9 +18,10 @@ What the gateway does around the recipe (vLLM's extensions and serving concerns,
 * the model name: the served name is the only one accepted (the gateway answers 404 before
   conversion) and selects the V4 encoding (``ModelVersion.DeepseekV4Pro``: V4-Flash and V4-Pro
   share it; ``DeepseekV41Flash`` is the V4.1 format).
-* constraints: a response format that needs enforcement (json_object, json_schema, regex) is
-  refused with 400 naming the field until constrained decoding exists; a required / named tool
-  choice works through the recipe's prefill of the tool-call block.
+* constraints: the recipe validates a response format (json_object, json_schema, regex; a 400
+  naming the field) and gives the output constraint, which ``server.gateway.structured`` turns
+  into the grammar the workers enforce; a required / named tool choice also opens the tool-call
+  block in the prompt.
 """
 from __future__ import annotations
 
@@ -139,6 +140,8 @@ class DeepSeekFormat:
                         .with_model_versions_by_name({model_name: V4}))
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
         self.think_end_id = self.tokenizer.encode(dr.SpecialToken.ThinkingEnd.default_str())[0]
+        # markers a constraint matches as tokens (``server.gateway.structured``)
+        self.marker_ids = {m: self.tokenizer.encode(m)[0] for m in ("<think>", "</think>", "｜DSML｜")}
 
     @staticmethod
     def starts_in_reasoning(cr: dr.ConversationRequest) -> bool:
@@ -152,7 +155,7 @@ class DeepSeekFormat:
 
         Raises:
             ApiError: 400 (or the recipe's status) with the recipe's message; 400 naming the
-                constraint field for a response format that needs constrained decoding.
+                constraint field for an invalid schema / regex.
         """
         cls = _REQUESTS[api]
         extras: dict = {}
@@ -179,14 +182,12 @@ class DeepSeekFormat:
                 if head in moved:
                     param = moved[head] + sep + rest
                     msg = msg[len(head):].lstrip(": ") if msg.startswith(head) else msg
+            if param is None and msg.lower().startswith(("invalid json schema", "invalid regex",
+                                                                    "required properties must match")):
+                param = _CONSTRAINT_FIELD[api]        # the recipe's check of the output constraint
             if param and not msg.startswith(param):
                 msg = f"{param}: {msg}"
             raise ApiError(msg, status if 400 <= status < 500 else 400, param) from None
-        oc = cr.inference_options.output_constraint
-        if oc is not None and oc.kind in ("json", "regex"):
-            f = _CONSTRAINT_FIELD[api]
-            raise ApiError(f"{f}: a {oc.kind} output constraint needs constrained decoding, which this server "
-                           f"does not do yet; leave {f} out (or 'text')", 400, f)
         return cr, extras
 
     def encode(self, cr: dr.ConversationRequest, max_model_len: int, field: str) -> list[int]:

@@ -136,7 +136,7 @@ class Generation:
                     m.tpot.observe((e2e - (first - self._arrival)) / (asm.num_tokens - 1))
         except BackendError as e:
             reason = "error"
-            self._q.put_nowait((s, e))
+            self._q.put_nowait((s, self.job.backend_error(e)))
         except asyncio.CancelledError:
             raise
         except Exception as e:          # a gateway bug: report it, keep serving

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.core.sampling_params import SamplingError, SamplingParams
-from server.backends.base import TokenEvent
+from server.backends.base import BackendError, TokenEvent
 from server.gateway.protocol import MAX_STOP, MAX_STOP_CHARS, ApiError
 
 _U64 = 1 << 64
@@ -88,9 +88,20 @@ class Job:
     kind = "job"                        # the endpoint, for logs
     media_type = "text/event-stream"
 
+    constraint_field = "response_format"   # the request field an output constraint comes from
+
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    def backend_error(self, e: BackendError) -> Exception:
+        """A worker's refusal as the client sees it: an output constraint that does not compile
+        (``structured: ...``, a 400 from the worker) names the request field it came from."""
+        msg = str(e)
+        if e.status == 400 and msg.startswith("structured: "):
+            f = self.constraint_field
+            return ApiError(f"{f}: {msg.removeprefix('structured: ')}", 400, f)
+        return e
 
     @property
     def cached_tokens(self) -> int:
@@ -158,7 +169,7 @@ def sampling_params(fields: dict[str, Any], max_new_tokens: int, logprobs: int |
             top_k=opt("top_k", -1), min_p=opt("min_p", 0.0), presence_penalty=opt("presence_penalty", 0.0),
             frequency_penalty=opt("frequency_penalty", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
             seed=seed, stop_token_ids=tuple(fields.get("stop_token_ids") or ()),
-            ignore_eos=bool(fields.get("ignore_eos")), logprobs=logprobs)
+            ignore_eos=bool(fields.get("ignore_eos")), logprobs=logprobs, structured=fields.get("structured"))
     except SamplingError as e:
         msg = str(e)
         name = msg.split(":", 1)[0]
@@ -212,9 +223,9 @@ _HINTS = {"functions": "use tools", "function_call": "use tool_choice",
           "continue_final_message": "end the messages with an assistant message with \"prefix\": true",
           "add_generation_prompt": "the assistant turn is always opened",
           "max_tokens": "use max_output_tokens", "max_completion_tokens": "use max_output_tokens",
-          **{k: "constrained decoding is not done yet" for k in ("guided_json", "guided_regex", "guided_choice",
-                                                                 "guided_grammar", "structured_outputs",
-                                                                 "response_format", "output_format")}}
+          **{k: "use response_format" for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                                "structured_outputs")},
+          "response_format": "structured outputs are served on /v1/chat/completions, /v1/responses and /v1/messages"}
 
 
 def refuse_not_done(body: dict[str, Any], extra: dict[str, tuple] | None = None) -> None:

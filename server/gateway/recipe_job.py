@@ -17,11 +17,12 @@ from server.gateway.dsformat import DeepSeekFormat
 from server.gateway.jobs import Job, Piece, Sample, refuse_not_done, sample_seed, sampling_params, sse
 from server.gateway.protocol import ApiError
 from server.gateway.recipe_stream import RecipeAssembler
+from server.gateway.structured import messages_format
 
 
 # fields of the other APIs a client may send here by mistake, and what asks for an output format
 _NOT_HERE = {"responses": {"max_tokens": (None,), "max_completion_tokens": (None,)},
-             "messages": {"output_format": (None,), "response_format": (None, {"type": "text"})}}
+             "messages": {"response_format": (None, {"type": "text"})}}
 
 
 def prepare_recipe(job_cls: type, req, fmt: DeepSeekFormat, tokenizer, max_model_len: int, prefix: str,
@@ -32,10 +33,6 @@ def prepare_recipe(job_cls: type, req, fmt: DeepSeekFormat, tokenizer, max_model
     api = job_cls.api
     body = req.model_dump(exclude_unset=True)
     refuse_not_done(body, _NOT_HERE[api])
-    fmt_cfg = body.get("output_config")
-    if api == "messages" and isinstance(fmt_cfg, dict) and fmt_cfg.get("format") is not None:
-        raise ApiError("output_config.format: a structured output needs constrained decoding, which this server "
-                       "does not do yet", 400, "output_config.format")
     cr, extras = fmt.convert(api, body)
     ids = fmt.encode(cr, max_model_len, field)
     max_new = fmt.max_tokens(cr, len(ids), max_model_len, field,
@@ -45,8 +42,10 @@ def prepare_recipe(job_cls: type, req, fmt: DeepSeekFormat, tokenizer, max_model
         raise ApiError("top_logprobs: not supported on /v1/responses (use /v1/chat/completions)", 400,
                        "top_logprobs")
     rid = f"{prefix}{uuid.uuid4().hex}"
-    sample = Sample(0, 0, f"{rid}-0", sampling_params(recipe_sampling(body, cr), max_new, logprobs,
-                                                      sample_seed(req.seed, 0)))
+    fields = recipe_sampling(body, cr, fmt)
+    if api == "messages":
+        fields["structured"] = messages_format(body, fmt.starts_in_reasoning(cr), fmt.marker_ids) or fields["structured"]
+    sample = Sample(0, 0, f"{rid}-0", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, 0)))
     return job_cls(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
                    extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)), decode=tokenizer.decode)
 

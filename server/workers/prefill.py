@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError
-from engine.core.request import RequestOutput, finish_reason
+from engine.core.request import FinishReason, RequestOutput, finish_reason
 from kvtransfer import make_sender
 from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
@@ -150,7 +150,12 @@ class PrefillWorker(Worker):
     def _first(self, out: RequestOutput, job: _Job) -> None:
         rid, tok, p = out.request_id, out.new_token_ids[0], job.params
         e = self.engine
+        if out.finish_reason is FinishReason.ABORT:      # token #1 broke its grammar (logged by the engine)
+            self._fail(rid, job, 502, "prefill failed in the engine")
+            return
         reason = finish_reason(tok, job.num_before + 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
+        if out.finish_reason is FinishReason.STOP:      # token #1 completed its grammar
+            reason = FinishReason.STOP
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         if not self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
                                          "reason": reason.value if reason else None, "queue_s": out.queue_time_s,
