@@ -31,7 +31,8 @@ def sample_rows(engine: "LLMEngine", rows: list[Sequence], hidden: torch.Tensor)
     try:
         logits = engine.executor.logits(hidden)
         t = time.perf_counter()
-        mask = token_bitmask(rows, len(want), logits.shape[-1], logits.device)
+        # filled on the host while the device runs the LM head (launched, not waited for)
+        mask = token_bitmask(rows, len(want), engine.model.args.vocab_size, hidden.device)
         # the step's one copy to the host: ids, requested logprobs and finite flags
         sampled, finite = unpack(sample_device(logits, want, mask).tolist(), want)
         engine.stats.sample_s += time.perf_counter() - t
