@@ -127,8 +127,11 @@ def token_bitmask(seqs: list["Sequence"], num_rows: int, vocab: int, device: tor
             for j in range(k + 1):
                 m.fill_next_token_bitmask(bm, i + j)
                 rows.append(i + j)
-                if j == k or not m.accept_token(s.draft_ids[j]):
-                    break                   # rows past a refused draft are never kept
+                # a draft the row's mask refuses is not offered to the matcher (xgrammar logs
+                # each refused special token); the rows past it are never kept
+                d = s.draft_ids[j] if j < k else -1
+                if d < 0 or not (int(bm[i + j, d >> 5]) >> (d & 31)) & 1 or not m.accept_token(d):
+                    break
                 taken += 1
                 if m.is_terminated():       # nor rows past a draft that completes the grammar
                     break
