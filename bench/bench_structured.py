@@ -44,7 +44,7 @@ def _tool_tag(ckpt: str) -> str:
     from server.gateway.structured import structural_tag
     fmt = DeepSeekFormat(ckpt, "m", default_thinking=False)
     body = {"model": "m", "messages": [{"role": "user", "content": "go"}], "tools": TOOLS, "tool_choice": "required"}
-    return structural_tag(fmt.convert("chat", body)[0], body, False, fmt.marker_ids)
+    return structural_tag("chat", fmt.convert("chat", body)[0], body, False, fmt.marker_ids)[0]
 
 
 def compile_times(ckpt: str, n: int) -> dict:

@@ -57,14 +57,15 @@ class GrammarBackend:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(self.tokenizer_dir / "tokenizer.json"))
-        # special added tokens (BOS / EOS, placeholders, image tokens) get no text: a grammar never
-        # allows them (EOS still ends a complete grammar, as a stop token); the chat format's
-        # markers (non-special added tokens) keep theirs, so a grammar can name them as tokens
-        special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+        # Added tokens never match as text. Special ones (BOS / EOS, placeholders) get none: a
+        # grammar never allows them (EOS still ends a complete grammar, as a stop token). The chat
+        # format's markers (``</think>``, ``｜DSML｜``: non-special) get a \x01 in front, which no
+        # JSON text admits: a grammar names them as tokens (by id), and a JSON string cannot hold one.
+        added = {t.content: t.special for t in tok.get_added_tokens_decoder().values()}
         vocab = [""] * self.vocab_size
         for text, i in tok.get_vocab(with_added_tokens=True).items():
-            if i < self.vocab_size and text not in special:
-                vocab[i] = text
+            if i < self.vocab_size and not added.get(text, False):
+                vocab[i] = "\x01" + text if text in added else text
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(tok.to_str())
         info = xgr.TokenizerInfo(vocab, xgr.VocabType(meta["vocab_type"]), vocab_size=self.vocab_size,
                                  stop_token_ids=list(self.stop_ids), add_prefix_space=meta["add_prefix_space"])

@@ -24,6 +24,7 @@ from engine.core.sampling_params import Sampled, SampleRow, position_seed
 
 # token ids travel to the host in the fp32 result tensor: exact below 2^24 (DeepSeek-V4: 129,280)
 MAX_VOCAB = 1 << 24
+MIN_LOGPROB = -9999.0
 _U_BITS = 23            # u = (h + 0.5) / 2^23: strictly inside (0, 1) and exact in fp32
 _ID_HASH: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -221,9 +222,10 @@ def unpack(result: list[list[float]], rows: list[SampleRow]) -> tuple[list[Sampl
     for r, v in zip(rows, result):
         res, n = Sampled(int(v[0])), r.params.logprobs
         if n is not None:
-            res.logprob = v[1]
+            # -inf (a token a grammar masks) is reported as -9999, as vLLM does: JSON has no -inf
+            res.logprob = max(v[1], MIN_LOGPROB)
             top = (len(v) - 3) // 2
-            res.top_logprobs = [(int(v[2 + j]), v[2 + top + j]) for j in range(min(n, top))]
+            res.top_logprobs = [(int(v[2 + j]), max(v[2 + top + j], MIN_LOGPROB)) for j in range(min(n, top))]
         out.append(res)
         finite.append(v[-1] == 1.0)
     return out, finite

@@ -78,9 +78,10 @@ class SamplingParams:
         need(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         need(self.logprobs is None or (integer("logprobs") and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"must be null or an integer in [0, {MAX_LOGPROBS}]")
-        need(self.structured is None or (isinstance(self.structured, str) and self.structured.startswith("{")
-                                         and len(self.structured) <= MAX_STRUCTURED_CHARS), "structured",
-             f"must be null or a JSON object text of at most {MAX_STRUCTURED_CHARS} characters")
+        if self.structured is not None and not (isinstance(self.structured, str) and self.structured.startswith("{")
+                                                and len(self.structured) <= MAX_STRUCTURED_CHARS):
+            raise SamplingError(f"structured: must be null or a JSON object text of at most {MAX_STRUCTURED_CHARS} "
+                                f"characters")      # not echoed: it can be that long
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

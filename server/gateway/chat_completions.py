@@ -31,12 +31,10 @@ from server.gateway.recipe_stream import RecipeAssembler
 from server.gateway.structured import structural_tag
 
 
-def recipe_sampling(body: dict, cr: dr.ConversationRequest, fmt: DeepSeekFormat) -> dict:
-    """Sampling fields: the request's, with temperature / top_p from the recipe when not sent, and
-    the output constraint's grammar (``server.gateway.structured``)."""
+def recipe_sampling(body: dict, cr: dr.ConversationRequest) -> dict:
+    """Sampling fields: the request's, with temperature / top_p from the recipe when not sent."""
     io = cr.inference_options
     fields = dict(body)
-    fields["structured"] = structural_tag(cr, body, fmt.starts_in_reasoning(cr), fmt.marker_ids)
     if fields.get("temperature") is None:
         fields["temperature"] = io.temperature
     if fields.get("top_p") is None:
@@ -62,10 +60,11 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
     ids = fmt.encode(cr, max_model_len, "messages")
     max_new = fmt.max_tokens(cr, len(ids), max_model_len, "messages",
                              "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    fields = recipe_sampling(body, cr, fmt)
+    fields = recipe_sampling(body, cr)
+    structured, field = structural_tag("chat", cr, body, fmt.starts_in_reasoning(cr), fmt.marker_ids)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     samples = [Sample(i, 0, f"{base}-{i}", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, i),
-                                                           "top_logprobs"))
+                                                           "top_logprobs", structured))
                for i in range(req.n)]
     so = req.stream_options
     special = frozenset((tokenizer.bos_id, tokenizer.eos_id))
@@ -74,7 +73,7 @@ def prepare_chat(req: ChatCompletionRequest, fmt: DeepSeekFormat, tokenizer, max
                    continuous_usage=bool(so and so.include_usage and so.continuous_usage_stats),
                    return_token_ids=req.return_token_ids, fmt=fmt, request=cr, stops=stops,
                    include_stop=req.include_stop_str_in_output, special_ids=special, decode=tokenizer.decode,
-                   skip_special=req.skip_special_tokens)
+                   skip_special=req.skip_special_tokens, constraint_field=field)
 
 
 @dataclass

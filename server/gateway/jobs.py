@@ -84,11 +84,10 @@ class Job:
     continuous_usage: bool = False
     return_token_ids: bool = False      # vLLM extra: ids beside the text
     cached: dict[int, int] = field(default_factory=dict)   # prompt index -> prefix-cache tokens
+    constraint_field: str = "response_format"   # the request field an output constraint comes from
 
     kind = "job"                        # the endpoint, for logs
     media_type = "text/event-stream"
-
-    constraint_field = "response_format"   # the request field an output constraint comes from
 
     @property
     def prompt_tokens(self) -> int:
@@ -154,8 +153,9 @@ def sample_seed(seed: int | None, i: int) -> int:
 
 
 def sampling_params(fields: dict[str, Any], max_new_tokens: int, logprobs: int | None, seed: int,
-                    logprobs_field: str = "logprobs") -> SamplingParams:
-    """``SamplingParams`` from request fields (None / absent: the engine's default).
+                    logprobs_field: str = "logprobs", structured: str | None = None) -> SamplingParams:
+    """``SamplingParams`` from request fields (None / absent: the engine's default) and the output
+    constraint the gateway built (``server.gateway.structured``; never a request field).
 
     Raises:
         ApiError: 400 naming the field of a value the sampler refuses.
@@ -169,7 +169,7 @@ def sampling_params(fields: dict[str, Any], max_new_tokens: int, logprobs: int |
             top_k=opt("top_k", -1), min_p=opt("min_p", 0.0), presence_penalty=opt("presence_penalty", 0.0),
             frequency_penalty=opt("frequency_penalty", 0.0), repetition_penalty=opt("repetition_penalty", 1.0),
             seed=seed, stop_token_ids=tuple(fields.get("stop_token_ids") or ()),
-            ignore_eos=bool(fields.get("ignore_eos")), logprobs=logprobs, structured=fields.get("structured"))
+            ignore_eos=bool(fields.get("ignore_eos")), logprobs=logprobs, structured=structured)
     except SamplingError as e:
         msg = str(e)
         name = msg.split(":", 1)[0]

@@ -31,7 +31,6 @@ def prepare_messages(req: MessagesRequest, fmt: DeepSeekFormat, tokenizer, max_m
 class MessagesJob(RecipeJob):
     kind = "messages"
     api = "messages"
-    constraint_field = "output_config.format"
     response_cls = dr.MessagesResponse
 
     def error_events(self, status: int, message: str, param: str | None = None) -> list[str]:

@@ -17,7 +17,7 @@ from server.gateway.dsformat import DeepSeekFormat
 from server.gateway.jobs import Job, Piece, Sample, refuse_not_done, sample_seed, sampling_params, sse
 from server.gateway.protocol import ApiError
 from server.gateway.recipe_stream import RecipeAssembler
-from server.gateway.structured import messages_format
+from server.gateway.structured import structural_tag
 
 
 # fields of the other APIs a client may send here by mistake, and what asks for an output format
@@ -42,12 +42,12 @@ def prepare_recipe(job_cls: type, req, fmt: DeepSeekFormat, tokenizer, max_model
         raise ApiError("top_logprobs: not supported on /v1/responses (use /v1/chat/completions)", 400,
                        "top_logprobs")
     rid = f"{prefix}{uuid.uuid4().hex}"
-    fields = recipe_sampling(body, cr, fmt)
-    if api == "messages":
-        fields["structured"] = messages_format(body, fmt.starts_in_reasoning(cr), fmt.marker_ids) or fields["structured"]
-    sample = Sample(0, 0, f"{rid}-0", sampling_params(fields, max_new, logprobs, sample_seed(req.seed, 0)))
+    structured, field = structural_tag(api, cr, body, fmt.starts_in_reasoning(cr), fmt.marker_ids)
+    sample = Sample(0, 0, f"{rid}-0", sampling_params(recipe_sampling(body, cr), max_new, logprobs,
+                                                      sample_seed(req.seed, 0), structured=structured))
     return job_cls(rid, int(time.time()), fmt.model_name, [ids], [sample], cr.stream, fmt=fmt, request=cr,
-                   extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)), decode=tokenizer.decode)
+                   extras=extras, special_ids=frozenset((tokenizer.bos_id, tokenizer.eos_id)), decode=tokenizer.decode,
+                   constraint_field=field)
 
 
 @dataclass

@@ -29,7 +29,6 @@ def prepare_responses(req: ResponsesRequest, fmt: DeepSeekFormat, tokenizer, max
 class ResponsesJob(RecipeJob):
     kind = "responses"
     api = "responses"
-    constraint_field = "text.format"
     response_cls = dr.ResponsesResponse
 
     def _fix_usage(self, data: str, reasoning: int) -> str:

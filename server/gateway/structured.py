@@ -14,12 +14,14 @@ worker compiles it once per distinct text (``engine.core.grammar``).
   encoding), each invoke one of the allowed tools, its parameters in the schema's order, string
   ones raw (``string="true"``), the others JSON valid for their schema. The recipe's prompt
   already opens the block.
-- ``tool_call`` (tools with ``tool_choice`` auto): not constrained, as in vLLM / SGLang.
+- ``tool_call`` (tools with ``tool_choice`` auto): not constrained, as in vLLM / SGLang; beside a
+  response format, either a tool-call block or the formatted answer.
 - Thinking mode: the reasoning runs free up to ``</think>``; the constraint starts after it.
 
 The chat format's markers (``｜DSML｜``, ``</think>``) are matched as their token ids: xgrammar
 matches text, and a byte-level spelling of a marker is text the recipe's parser (which reads
-marker ids) does not see as a marker. Raw string parameters exclude "｜" for the same reason.
+marker ids) does not see as a marker. A worker's vocabulary puts a \x01 before each marker's
+text, so no JSON value (nor a raw string parameter, which excludes it) can hold one.
 JSON allows at most ``MAX_JSON_WHITESPACE`` consecutive whitespace characters (pretty-printed
 JSON 7 levels deep at indent 2): unbounded whitespace is the loop small or confused models fall
 into, and the grammar then never ends.
@@ -30,6 +32,7 @@ import json
 
 import deepseek_recipe as dr
 
+from engine.core.sampling_params import MAX_STRUCTURED_CHARS
 from server.gateway.protocol import ApiError
 
 MAX_JSON_WHITESPACE = 16
@@ -80,15 +83,17 @@ def _request_tools(body: dict) -> dict[str, dict]:
 def _param(name: str, schema, defs: dict, dsml: int) -> dict:
     """One ``<｜DSML｜parameter ...>value</｜DSML｜parameter>\\n`` line."""
     s = schema if isinstance(schema, dict) else {}
-    if s.get("type") == "string" and not set(s) & {"$ref", "anyOf", "oneOf", "allOf", "const"}:
-        if isinstance(s.get("enum"), list):
-            value = {"type": "or", "elements": _lit(*[str(v) for v in s["enum"]])}
+    enum = s.get("enum")
+    if s.get("type") == "string" and not set(s) & {"$ref", "anyOf", "oneOf", "allOf", "const"} and (
+            enum is None or (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum))):
+        if enum:
+            value = {"type": "or", "elements": _lit(*enum)}
         elif isinstance(s.get("pattern"), str):
             value = {"type": "regex", "pattern": s["pattern"]}
         else:
             lo, hi = s.get("minLength"), s.get("maxLength")
             lo, hi = (lo if isinstance(lo, int) else 0), (hi if isinstance(hi, int) else "")
-            value = {"type": "regex", "pattern": f"[^｜]{{{lo},{hi}}}"}
+            value = {"type": "regex", "pattern": f"[^｜\\x01]{{{lo},{hi}}}"}
         flag = "true"
     else:
         value, flag = _json({**defs, **s} if defs else schema), "false"
@@ -115,35 +120,93 @@ def _tool_calls(tools: list, sent: dict[str, dict], parallel: bool, opened: bool
     return _seq([*head, body, *_lit("</", dsml, "tool_calls>")])
 
 
-def structural_tag(cr: dr.ConversationRequest, body: dict, reasoning: bool, markers: dict[str, int]) -> str | None:
-    """The structural tag (compact JSON text) enforcing ``cr``'s output constraint, or None.
+def _response_format(api: str, body: dict, oc) -> tuple[dict | None, str]:
+    """The output format the request asks for, as a structural-tag format (None: text), and the
+    request field it comes from. Chat / Responses: the recipe's constraint when it is json /
+    regex (the recipe validated it), else the body's own (tools beside it); Messages: ``output_config.format``
+    (or the beta's ``output_format``), which the recipe does not convert.
+
+    Raises:
+        ApiError: 400 naming the Messages field when it is not ``{"type": "json_schema", "schema": {...}}``.
+    """
+    if api == "messages":
+        cfg = body.get("output_config")
+        name, f = "output_format", body.get("output_format")
+        if isinstance(cfg, dict) and cfg.get("format") is not None:
+            name, f = "output_config.format", cfg["format"]
+        if f is None:
+            return None, name
+        if not isinstance(f, dict) or f.get("type") != "json_schema" or not isinstance(f.get("schema"), dict):
+            raise ApiError(f'{name}: expected {{"type": "json_schema", "schema": {{...}}}}', 400, name)
+        return _json(f["schema"]), name
+    name = "response_format" if api == "chat" else "text.format"
+    if oc is not None and oc.kind == "regex":
+        return {"type": "regex", "pattern": oc.schema}, name
+    rf = body.get("response_format") if api == "chat" else (body.get("text") or {}).get("format")
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "json_object":           # any object (OpenAI's JSON mode; the recipe's output processing expects one)
+        return _json({"type": "object"}), name
+    if kind == "json_schema":
+        schema = _request_schema(body)
+        return (_json(schema) if schema is not None else None), name
+    if kind == "regex" and isinstance(rf.get("regex"), str):
+        return {"type": "regex", "pattern": rf["regex"]}, name
+    if oc is not None and oc.kind == "json":          # a form this module does not know: the recipe's copy
+        return _json(json.loads(oc.schema) if oc.schema else {"type": "object"}), name
+    return None, name
+
+
+def _continues(api: str, body: dict) -> bool:
+    """The prompt ends inside an assistant message the output continues (Chat ``prefix: true``;
+    Messages: a final assistant message)."""
+    msgs = body.get("messages")
+    last = msgs[-1] if isinstance(msgs, list) and msgs and isinstance(msgs[-1], dict) else {}
+    return last.get("role") == "assistant" and (api == "messages" or last.get("prefix") is True)
+
+
+def structural_tag(api: str, cr: dr.ConversationRequest, body: dict, reasoning: bool,
+                   markers: dict[str, int]) -> tuple[str | None, str]:
+    """The structural tag (compact JSON text) enforcing the request's output constraint (None:
+    none) and the request field a compile error names.
+
+    A required / named tool choice wins over a response format (the prompt already opens the
+    tool-call block); beside tools with ``tool_choice`` auto a response format allows either a
+    tool-call block or the formatted answer.
 
     Args:
+        api: ``chat``, ``responses`` or ``messages``.
         cr: the converted request (``cr.inference_options.output_constraint``: its kind, the
             tools a required / named choice allows).
         body: the request body (the schema and tool parameters as sent, ``parallel_tool_calls``;
-            Messages: ``tool_choice.disable_parallel_tool_use``).
+            Messages: ``tool_choice.disable_parallel_tool_use``, ``output_config.format``).
         reasoning: the output begins inside the reasoning (``DeepSeekFormat.starts_in_reasoning``).
         markers: token ids of ``<think>``, ``</think>`` and ``｜DSML｜`` (``DeepSeekFormat.marker_ids``).
+    Raises:
+        ApiError: 400 naming the field: a bad Messages format, a format on a continued assistant
+            message, a constraint longer than ``MAX_STRUCTURED_CHARS``.
     """
     oc = cr.inference_options.output_constraint
-    if oc is None or oc.kind == "tool_call":
-        return None
-    if oc.kind == "json":
-        # json_object: an object (OpenAI's JSON mode; the recipe's output processing expects one)
-        schema = _request_schema(body) if oc.schema else {"type": "object"}
-        fmt = _json(schema if schema is not None else json.loads(oc.schema))
-    elif oc.kind == "regex":
-        fmt = {"type": "regex", "pattern": oc.schema}
-    elif oc.kind == "tool_call_required":
+    fmt, field = _response_format(api, body, oc)
+    if oc is not None and oc.kind in ("tool_call", "tool_call_required"):
         choice = body.get("tool_choice")
         parallel = body.get("parallel_tool_calls") is not False and not (
             isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True)
-        fmt = _tool_calls(json.loads(oc.schema), _request_tools(body), parallel,
-                          cr.parsing_options.starts_in_tool_calls, markers["｜DSML｜"])
-    else:
-        raise ValueError(f"unknown output constraint kind {oc.kind!r}")
-    return _tag(fmt, reasoning, markers)
+        forced = oc.kind == "tool_call_required"
+        calls = _tool_calls(json.loads(oc.schema), _request_tools(body), parallel,
+                            forced and cr.parsing_options.starts_in_tool_calls, markers["｜DSML｜"])
+        if forced:
+            fmt, field = calls, "tools"
+        elif fmt is not None:
+            fmt = {"type": "or", "elements": [fmt, calls]}
+    if fmt is None:
+        return None, field
+    if field != "tools" and _continues(api, body):
+        raise ApiError(f"{field}: cannot constrain the continuation of a prefilled assistant message", 400, field)
+    tag = _tag(fmt, reasoning, markers)
+    if len(tag) > MAX_STRUCTURED_CHARS:
+        raise ApiError(f"{field}: the output constraint is {len(tag)} characters; at most {MAX_STRUCTURED_CHARS}",
+                       400, field)
+    return tag, field
 
 
 def _tag(fmt: dict, reasoning: bool, markers: dict[str, int]) -> str:
@@ -152,22 +215,3 @@ def _tag(fmt: dict, reasoning: bool, markers: dict[str, int]) -> str:
                  "content": {"type": "any_tokens", "exclude_tokens": [markers["<think>"], markers["</think>"]]}}
         fmt = _seq([think, fmt])
     return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False, separators=(",", ":"))
-
-
-def messages_format(body: dict, reasoning: bool, markers: dict[str, int]) -> str | None:
-    """Anthropic's structured outputs on /v1/messages (``output_config.format``, or the beta's
-    top-level ``output_format``: ``{"type": "json_schema", "schema": {...}}``), which the recipe
-    does not convert, as a structural tag; None when the body has neither.
-
-    Raises:
-        ApiError: 400 naming the field when it is not a json_schema format with an object schema.
-    """
-    cfg = body.get("output_config")
-    name, f = "output_format", body.get("output_format")
-    if isinstance(cfg, dict) and cfg.get("format") is not None:
-        name, f = "output_config.format", cfg["format"]
-    if f is None:
-        return None
-    if not isinstance(f, dict) or f.get("type") != "json_schema" or not isinstance(f.get("schema"), dict):
-        raise ApiError(f'{name}: expected {{"type": "json_schema", "schema": {{...}}}}', 400, name)
-    return _tag(_json(f["schema"]), reasoning, markers)

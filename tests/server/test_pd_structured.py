@@ -144,7 +144,7 @@ def test_json_object_and_regex(cluster, ckpt):
                                   extra_body={"return_token_ids": True, **NO_THINK})
     fmt = DeepSeekFormat(ckpt, MODEL, default_thinking=False)
     grammar = GrammarBackend(ckpt, 129280, (fmt.tokenizer.encode("<｜end▁of▁sentence｜>")[0],))
-    tag = structural_tag(fmt.convert("chat", body)[0], body, False, fmt.marker_ids)
+    tag = structural_tag("chat", fmt.convert("chat", body)[0], body, False, fmt.marker_ids)[0]
     for ch in r.choices:
         assert grammar.matcher(tag, ch.model_extra["token_ids"]) is not None
         if ch.finish_reason == "stop":
@@ -203,7 +203,7 @@ def test_constrained_pd_equals_in_process(pd, reference, ckpt, request):
                                       extra_body={"return_token_ids": True, **NO_THINK})
         cr, _ = fmt.convert("chat", body)
         params = SamplingParams(max_new_tokens=MAX_PD, temperature=temperature, seed=seed,
-                                structured=structural_tag(cr, body, False, fmt.marker_ids))
+                                structured=structural_tag("chat", cr, body, False, fmt.marker_ids)[0])
         prompt = r.model_extra["prompt_token_ids"]
         assert prompt == fmt.encode(cr, 4096, "messages")
         assert r.choices[0].model_extra["token_ids"] == reference.generate([prompt], params)[0].output_ids

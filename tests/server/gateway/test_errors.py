@@ -39,6 +39,13 @@ BAD = [
     ("/v1/completions", {"prompt": []}, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": "x", "max_completion_tokens": 5000}, 400, "max_completion_tokens",
      "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": HELLO + [{"role": "assistant", "content": "{", "prefix": True}],
+                              "response_format": {"type": "regex", "regex": "a+"}}, 400, "response_format",
+     "prefilled assistant message"),
+    ("/v1/chat/completions", {"messages": HELLO, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"s": {"type": "string", "minLength": 5,
+                                                                        "maxLength": 2}}}}}]}, 400, "tools",
+     "cannot be compiled"),
     ("/v1/chat/completions", {"messages": HELLO, "response_format": {"type": "regex", "regex": "a("}}, 400,
      "response_format", "cannot be compiled: Regex parsing error"),
     ("/v1/responses", {"input": "json please", "text": {"format": {"type": "json_schema", "name": "x",
