@@ -390,6 +390,7 @@ class Worker:
         sock = socket.socket(socket.AF_INET6 if ":" in self.opts.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.opts.host, self.opts.http_port))     # raises OSError now, not in the thread
+        sock.listen(128)        # connections queue from now on, not only once the thread's server runs
         cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False)
         self._http = uvicorn.Server(cfg)
         threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http", daemon=True).start()

@@ -64,12 +64,12 @@ def test_eager_decode_step_op_counts_per_step(fig):
 def test_eager_decode_step_host_syncs_by_site(fig):
     sites = fig["sync_sites"]
     files = {s.split(" @ ")[1].rsplit(":", 1)[0] for s in sites}
-    assert files == {"engine/ops/reference/moe.py", "engine/core/llm_engine.py"}
+    assert files == {"engine/ops/reference/moe.py", "engine/core/sample_step.py"}
     moe = sum(n for s, n in sites.items() if "reference/moe.py" in s)
     assert moe == 6 * LAYERS     # per layer: unique, repeat_interleave, int(blocks.sum()), 3 tolist of the spans
     # sampling stays on the device: the step's one copy to the host is the sampler's small result
     # (ids, requested logprobs, finite flags), never the [B, V] logits
-    assert sum(n for s, n in sites.items() if "llm_engine.py" in s) == 1
+    assert sum(n for s, n in sites.items() if "sample_step.py" in s) == 1
     assert fig["host_syncs_per_step"] == sum(sites.values())
 
 
