@@ -80,12 +80,22 @@ def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 # byte -> (value of its low nibble, value of its high nibble): one gather decodes two columns
 _BYTE_LUT = torch.stack([FP4_LUT[torch.arange(256) & 0xF], FP4_LUT[torch.arange(256) >> 4]], dim=-1)
+_BYTE_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _byte_lut(device: torch.device) -> torch.Tensor:
+    """The LUT on ``device``, copied once: a host-to-device copy inside a CUDA graph capture (the
+    static decode step dequantises MXFP4 experts) is refused, and every step would pay it."""
+    lut = _BYTE_LUTS.get(device)
+    if lut is None:
+        lut = _BYTE_LUTS[device] = _BYTE_LUT.to(device)
+    return lut
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 pairs ``int8 [..., in/2]`` -> fp32 ``[..., in]``; low nibble = even column."""
     u8 = packed.contiguous().view(torch.uint8)
-    vals = _BYTE_LUT.to(packed.device).index_select(0, u8.reshape(-1).int())
+    vals = _byte_lut(packed.device).index_select(0, u8.reshape(-1).int())
     return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 

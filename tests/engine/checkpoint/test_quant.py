@@ -84,3 +84,13 @@ def test_encoders_round_trip_exactly_representable_values():
     p, s4 = quant_mxfp4(w)
     deq4 = dequant_mxfp4(p, s4)
     assert torch.equal(dequant_mxfp4(*quant_mxfp4(deq4)), deq4)
+
+
+def test_the_fp4_lut_is_copied_to_a_device_once():
+    """The static decode step dequantises MXFP4 experts inside a CUDA graph capture, which refuses
+    host-to-device copies: the LUT is copied once per device and reused (meta stands in here)."""
+    from engine.checkpoint import fp8_mxfp4
+    meta = torch.device("meta")
+    assert fp8_mxfp4._byte_lut(meta) is fp8_mxfp4._byte_lut(meta)
+    out = fp8_mxfp4.unpack_fp4(torch.empty(3, 16, dtype=torch.int8, device=meta))
+    assert out.shape == (3, 32) and out.device == meta
