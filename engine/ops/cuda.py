@@ -12,7 +12,11 @@ reference (HF parity) does not do.
 Contract [torch ``_check_scaled_mm_sizes_v2``, the meta kernel CPU tests run against]: mat_a
 e4m3 ``[M, K]`` row-major, mat_b e4m3 ``[K, N]`` column-major (the stored ``[N, K]`` transposed);
 scale_a fp32 ``[M, K/128]`` with strides ``(1, M)``, scale_b fp32 ``[K/128, N/128]`` with strides
-``(1, L4)``, L4 = ``round_up(K/128, 4)``. The hardware needs sm90 or newer.
+``(1, L4)``, L4 = ``round_up(K/128, 4)``. The hardware needs sm90 or newer. cuBLAS (12.9 / 13.0 on
+an H200) also needs M a multiple of 4: its heuristic answers ``CUBLAS_STATUS_NOT_SUPPORTED`` for
+M = 1, 2 or 263 and runs 4, 8, 16, 128 and 256 (``deploy/device-check``), so rows are padded with
+zeros to a multiple of 4 and the output sliced: each row is quantised and multiplied alone, so a
+padding row changes no other row.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from engine.ops.packed import Packed
 
 log = logging.getLogger(__name__)
 GROUP = 128
+ROW_MULTIPLE = 4            # cuBLAS's blockwise GEMM refuses other row counts (module docstring)
 _LOGGED: set[str] = set()
 
 
@@ -79,11 +84,15 @@ def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tens
             log.info("quant_linear on cuda: reference op (%s)", why)
         return reference.quant_linear(x, weight, act)
     lead, K = x.shape[:-1], x.shape[-1]
-    xq, xs = act_quant_1x128(x.reshape(-1, K))
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M % ROW_MULTIPLE:
+        x2 = F.pad(x2, (0, 0, 0, -M % ROW_MULTIPLE))
+    xq, xs = act_quant_1x128(x2)
     sb = e8m0_to_float(weight.scale).t()                                   # [K/128, N/128], strides (1, K/128)
     y = F.scaled_mm(xq, weight.data.t(), xs, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
                     output_dtype=x.dtype)
-    return y.view(*lead, weight.shape[-2])
+    return y[:M].view(*lead, weight.shape[-2])
 
 
 def cuda_ops(base):

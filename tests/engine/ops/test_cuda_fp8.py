@@ -64,3 +64,29 @@ def test_zero_rows_run_the_reference():
     assert cuda.fp8_why(torch.empty(0, 512, dtype=torch.bfloat16, device="meta"), w, None) == "no rows"
     real = _weight(256, 512)
     assert cuda.quant_linear(torch.zeros(0, 512, dtype=torch.bfloat16), real, None).shape == (0, 256)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 263])
+def test_rows_are_padded_to_a_multiple_of_4_and_sliced_back(M, monkeypatch):
+    """cuBLAS's blockwise heuristic refuses M % 4 != 0 on an H200 (deploy/device-check): the call
+    gets zero rows up to a multiple of 4, and the output is the same rows as unpadded, by value
+    (a CPU twin of the kernel's math stands in for it)."""
+    calls = []
+
+    def twin(xq, wt, xs, ra, sb, rb, output_dtype):
+        calls.append(tuple(xq.shape))
+        assert xs.shape == (xq.shape[0], xq.shape[1] // 128) and xs.stride() == (1, xq.shape[0])
+        a = (xq.float().view(xq.shape[0], -1, 128) * xs.unsqueeze(-1)).view(xq.shape)
+        b = wt.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return (a @ b).to(output_dtype)
+
+    monkeypatch.setattr(cuda.F, "scaled_mm", twin)
+    monkeypatch.setattr(cuda, "fp8_why", lambda *a: None)
+    w = _weight(256, 512)
+    x = torch.randn(M, 512, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    y = cuda.quant_linear(x, w, None)
+    assert calls == [(-(-M // 4) * 4, 512)] and y.shape == (M, 256)
+    one_by_one = torch.cat([cuda.quant_linear(x[i:i + 1], w, None) for i in range(M)])
+    assert torch.equal(y, one_by_one)
+    ref = reference.quant_linear(x.float(), w, None)
+    assert (y.float() - ref).abs().max() / ref.abs().max() < 0.05
