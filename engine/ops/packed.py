@@ -129,7 +129,7 @@ def dequant(p: Packed, dtype: torch.dtype, rows: tuple[int, int] | None = None) 
     if fmt == "fp8":
         out = _fp8_rows(p, r0, r1)
     elif fmt == "fp4":
-        out = dequant_mxfp4(w[r0:r1], s[r0:r1])
+        out = dequant_mxfp4(w[r0:r1], s[r0:r1], dtype)
     elif fmt in ("mxfp4", "mxfp8"):
         out = dequant_mx(w[r0:r1], s[r0:r1])
     elif fmt == "int8":
