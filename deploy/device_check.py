@@ -6,7 +6,7 @@ Run by ``deploy/device-check``; on a CUDA machine it finishes in a few minutes.
 
     python deploy/device_check.py [--device auto|cuda:0|npu:0|cpu] [--dtype float32|bfloat16]
                                   [--modes eager,static,graph,graph+streams] [--steps 64] [--next-n 0]
-                                  [--preset flash|flash-real-width|...]
+                                  [--preset flash|flash-real-width|...] [--reference-ops] [--no-fp8]
 
 On CUDA it then times the FP8 block-scaled GEMM (``engine.ops.cuda``) against the reference op at
 real Flash linear shapes.
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     plat.activate()
     modes = a.modes.split(",")
     print(f"device-check: {plat.kind} {plat.device} ({torch.cuda.get_device_name(plat.device) if plat.kind == 'cuda' else ''}) "
-          f"torch {torch.__version__}, preset {a.preset}, dtype {a.dtype}, modes {modes}, next_n {a.next_n}", flush=True)
+          f"torch {torch.__version__}, preset {a.preset}, dtype {a.dtype}, modes {modes}, next_n {a.next_n}, "
+          f"ops {'reference' if a.reference_ops else plat.kind}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_tiny(a.preset, 0, Path(d) / "tiny")
         model = load_model(ckpt, dtype=getattr(torch, a.dtype), device=plat.device, ops=ops_for("cpu" if a.reference_ops else plat.kind),
@@ -161,9 +162,13 @@ def main(argv=None) -> int:
             except Exception as e:      # report and go on: one run should show every failing mode
                 ok = False
                 print(f"{mode:<15}{batch:>6}  FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+                ref = ref if ref is not None else "failed"
                 continue
             if ref is None:
                 ref = outs
+            if ref == "failed":         # the first mode is the reference: nothing to compare with
+                print(f"{mode:<15}{batch:>6}{step * 1e3:>16.2f}{warm:>11.1f}{'n/a':>16}  n/a", flush=True)
+                continue
             worst, same = compare(ref, outs)
             ok &= same
             print(f"{mode:<15}{batch:>6}{step * 1e3:>16.2f}{warm:>11.1f}{worst:>16.2e}  {same}", flush=True)

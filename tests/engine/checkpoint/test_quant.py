@@ -98,13 +98,11 @@ def test_the_fp4_lut_is_copied_to_a_device_once():
 
 def test_mxfp4_to_bf16_directly_equals_fp32_then_rounded():
     """bf16 dequantisation multiplies in bf16 (a third of the traffic); exact, so bit-equal to the
-    fp32 result rounded, over every code and the scale range's ends (2^-127 .. 2^127, NaN)."""
-    g = torch.Generator().manual_seed(3)
-    packed = torch.randint(-128, 128, (8, 64), dtype=torch.int8, generator=g)
-    packed[0, :16] = torch.arange(-128, 128, dtype=torch.int16).view(16, 16)[0].to(torch.int8)
-    codes = torch.randint(100, 155, (8, 4), dtype=torch.uint8, generator=g)
-    codes[0] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)
-    scale = codes.view(torch.float8_e8m0fnu)
+    fp32 result rounded, for every byte (two e2m1 codes) under every e8m0 scale code (2^-127 ..
+    2^127 and NaN): row r holds all 256 bytes under scale code r."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8)
+    packed = codes.view(torch.int8).repeat(256, 1)                              # [256, 256]
+    scale = codes.unsqueeze(1).repeat(1, 16).view(torch.float8_e8m0fnu)        # [256, 512 / 32]
     direct = dequant_mxfp4(packed, scale, torch.bfloat16)
     rounded = dequant_mxfp4(packed, scale, torch.float32).to(torch.bfloat16)
     assert direct.dtype == torch.bfloat16
