@@ -145,8 +145,9 @@ def main(argv=None) -> int:
           f"ops {'reference' if a.reference_ops else plat.kind}", flush=True)
     with tempfile.TemporaryDirectory() as d:
         ckpt = make_tiny(a.preset, 0, Path(d) / "tiny")
-        model = load_model(ckpt, dtype=getattr(torch, a.dtype), device=plat.device, ops=ops_for("cpu" if a.reference_ops else plat.kind),
-                           progress=False, mtp=a.next_n > 0)
+        ops = ops_for("cpu" if a.reference_ops else plat.kind)
+        model = load_model(ckpt, dtype=getattr(torch, a.dtype), device=plat.device, ops=ops, progress=False,
+                           mtp=a.next_n > 0)
     g = torch.Generator().manual_seed(0)
     batches = [int(b) for b in a.batches.split(",")]
     prompts = [torch.randint(2, model.args.vocab_size, (a.prompt_len + 37 * i,), generator=g).tolist()
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     print(f"{'mode':<15}{'batch':>6}{'decode step ms':>16}{'warm-up s':>11}{'max |dlogprob|':>16}  tokens = eager")
     ok = True
     for batch in batches:
-        ref = None
+        ref, ref_failed = None, False        # the first mode is the reference
         for mode in modes:
             model.configure(None, plat, mode.endswith("+streams"))
             try:
@@ -162,11 +163,11 @@ def main(argv=None) -> int:
             except Exception as e:      # report and go on: one run should show every failing mode
                 ok = False
                 print(f"{mode:<15}{batch:>6}  FAILED: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
-                ref = ref if ref is not None else "failed"
+                ref_failed |= ref is None
                 continue
-            if ref is None:
+            if ref is None and not ref_failed:
                 ref = outs
-            if ref == "failed":         # the first mode is the reference: nothing to compare with
+            if ref_failed:              # nothing to compare with
                 print(f"{mode:<15}{batch:>6}{step * 1e3:>16.2f}{warm:>11.1f}{'n/a':>16}  n/a", flush=True)
                 continue
             worst, same = compare(ref, outs)
