@@ -116,7 +116,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
             apply_parallel(model, pc, rank)
 
     model = load_model(path, dtype=DTYPES[cfg.model_config.dtype], device=plat.device,
-                       ops=ops_for(plat.kind, cp.kernel_config), progress=progress, shard=check,
+                       ops=ops_for(plat.kind, cp.kernel_config, compiled=ex.graph), progress=progress, shard=check,
                        mtp=cfg.model_config.next_n > 0, num_layers=cp.num_hidden_layers,
                        max_position_embeddings=cp.max_position_embeddings)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,

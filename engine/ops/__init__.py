@@ -53,10 +53,11 @@ if tuple(f.name for f in fields(Ops)) != OP_NAMES:
     raise ImportError("engine.kernel_config.OP_NAMES must list the fields of engine.ops.Ops, in order")
 
 
-def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
+def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None, compiled: bool = False) -> Ops:
     """The ops table for a device kind (``engine.platform.Platform.kind``).
 
-    "cpu": ``REFERENCE``; "cuda": ``REFERENCE`` with torch's FP8 block-scaled GEMM as
+    "cpu": ``REFERENCE``, or with ``compiled`` (a graph ``exe_mode``) the inductor kernels of
+    ``engine.ops.cpu`` over it; "cuda": ``REFERENCE`` with torch's FP8 block-scaled GEMM as
     ``quant_linear`` (``engine.ops.cuda``); "npu" entries of ``kernel_config`` change nothing there,
     but the mapping is still validated. "npu": the Ascend kernels
     of ``engine.ops.npu`` over ``REFERENCE`` (imported here, on demand: importing ``engine.ops``
@@ -68,6 +69,9 @@ def ops_for(kind: str, kernel_config: Mapping[str, str] | None = None) -> Ops:
     """
     cfg = validate_kernel_config(kernel_config)
     if kind == "cpu":
+        if compiled:
+            from engine.ops.cpu import cpu_ops
+            return cpu_ops(REFERENCE, cfg)
         return REFERENCE
     if kind == "cuda":
         from engine.ops.cuda import cuda_ops
