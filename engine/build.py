@@ -119,6 +119,9 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
                        ops=ops_for(plat.kind, cp.kernel_config, compiled=ex.graph), progress=progress, shard=check,
                        mtp=cfg.model_config.next_n > 0, num_layers=cp.num_hidden_layers,
                        max_position_embeddings=cp.max_position_embeddings)
+    if plat.kind == "cpu" and ex.graph:
+        from engine.ops.cpu import prepare
+        prepare(model)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,
                     residual_dtype_for(plat.kind, DTYPES[cfg.model_config.dtype]))
     engine = _size(cfg, model, path, executor)

@@ -5,8 +5,11 @@
 * MXFP4 experts: ``int8 [out, in/2]``, two e2m1 nibbles per byte, low nibble = even column;
   ``float8_e8m0fnu [out, in/32]`` scales; ``W[n, k] = LUT[nib] * 2^(s[n, k // 32] - 127)``.
 
-Decoders go through torch's own float8 dtypes (a library beats home-made bit twiddling); the
-encoders exist for ``dsv4-make-tiny`` and produce exactly representable values.
+Decoders go through torch's own float8 dtypes (a library beats home-made bit twiddling), with one
+exception: inside an inductor-compiled graph on CPU (graph mode's decode step), where torch's float8
+conversion becomes a fallback call and a lookup-table gather scalar loads, an e4m3 byte is decoded
+from its fields (``_e4m3_arith``, bit-equal to torch's conversion on all 256 codes). The encoders
+exist for ``dsv4-make-tiny`` and produce exactly representable values.
 """
 from __future__ import annotations
 
@@ -50,9 +53,24 @@ def e4m3_to_float(w: torch.Tensor) -> torch.Tensor:
     if w.dtype not in (torch.uint8, torch.float8_e4m3fn):
         raise QuantFormatError(f"e4m3 weight: expected float8_e4m3fn or uint8, found {w.dtype}")
     if w.device.type == "cpu":
+        if torch.compiler.is_compiling():        # inductor turns a gather into scalar loads
+            return _e4m3_arith(w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w)
         codes = w.contiguous().view(torch.uint8)
         return _E4M3_LUT.index_select(0, codes.reshape(-1).int()).view(w.shape)
     return (w.view(torch.float8_e4m3fn) if w.dtype == torch.uint8 else w).to(torch.float32)
+
+
+def _e4m3_arith(u8: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bytes -> fp32 by integer arithmetic on the fields (bit-equal to ``_E4M3_LUT``): a
+    normal code's exponent is rebiased (7 -> 127) and its 3 mantissa bits moved to the top of fp32's;
+    a subnormal one is ``m * 2^-9``, formed without fp32 denormals so a flush-to-zero mode changes
+    nothing; 0x7F / 0xFF are NaN. Element-wise ops that inductor vectorises."""
+    u = u8.to(torch.int32)
+    e, m = (u >> 3) & 15, u & 7
+    normal = (((e + 120) << 23) | (m << 20)).view(torch.float32)
+    mag = torch.where(e == 0, m.to(torch.float32) * 2.0 ** -9, normal)
+    val = torch.where(u >= 128, -mag, mag)
+    return torch.where((u & 127) == 127, torch.full_like(val, float("nan")), val)
 
 
 def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],

@@ -29,10 +29,14 @@ import logging
 
 import torch
 
+from engine.checkpoint.fp8_mxfp4 import e4m3_to_float, e8m0_to_float
 from engine.ops import reference
+from engine.ops.packed import Packed
 
 log = logging.getLogger(__name__)
 PROBE_ROWS = 3
+GROUP = 128               # the original checkpoint's FP8 block (§2.1)
+FUSED_ROWS = 4            # past this a BLAS GEMM on a dequantised tile is faster (bench/bench_cpu_kernels.py)
 _compiled_head = None
 
 
@@ -79,20 +83,78 @@ class CompiledHead:
             log.warning("lm_head on cpu: reference op (the compiled kernel's rows depend on the row count)")
         return ok
 
+    def warm(self, weight: torch.Tensor) -> bool:
+        """Compile and probe for ``weight`` now (a worker does this before it serves, so no step
+        pays for a compile); returns whether the kernel will run. No collectives."""
+        x = torch.zeros(1, weight.shape[1], device=weight.device)
+        if self.why_not(x, weight) is not None:
+            return False
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in self._ok:
+            self._ok[key] = self._probe(weight)
+        return self._ok[key]
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x ``[M, H]`` fp32, weight ``[V, H]`` bf16 / fp32 -> logits ``[M, V]`` fp32."""
-        if self.why_not(x, weight) is None:
-            key = (tuple(weight.shape), weight.dtype)
-            if key not in self._ok:
-                self._ok[key] = self._probe(weight)
-            if self._ok[key]:
-                return self._run(x, weight)
+        if self.why_not(x, weight) is None and self.warm(weight):
+            return self._run(x, weight)
         return reference.lm_head(x, weight)
+
+
+def fused_why(x: torch.Tensor, weight: Packed, act: str | None) -> str | None:
+    """None when ``quant_linear`` runs as one fused reduction here, else the reason."""
+    if not torch.compiler.is_compiling():
+        return "eager (the fused form is for the compiled decode step)"
+    if weight.fmt != "fp8" or act is not None:
+        return f"{weight.fmt} weights with {act} activations"
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return f"x {x.dtype} on {x.device.type}"
+    N, K = weight.shape[-2:]
+    if weight.data.dim() != 2 or tuple(weight.block) != (GROUP, GROUP) or tuple(weight.offset) != (0, 0) \
+            or N % GROUP or K % GROUP:
+        return "not whole 128 x 128 blocks"
+    if x.numel() // K > FUSED_ROWS:
+        return f"more than {FUSED_ROWS} rows"
+    return None
+
+
+def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tensor:
+    """``reference.quant_linear``; inside the compiled decode step, for an FP8 block-scaled weight
+    and at most ``FUSED_ROWS`` fp32 rows, ``sum_k dequant(w)[n, k] * x[m, k]`` as one reduction:
+    the e4m3 bytes are decoded and scaled in registers (``fp8_mxfp4.e4m3_to_float``'s arithmetic
+    form), so only the stored bytes are read, where the reference writes and reads an fp32 tile.
+    The same fp32 products, summed in another order. x ``[..., K]`` -> ``[..., N]`` fp32."""
+    if fused_why(x, weight, act) is not None:
+        return reference.quant_linear(x, weight, act)
+    (N, K), lead = weight.shape[-2:], x.shape[:-1]
+    w = e4m3_to_float(weight.data).view(N // GROUP, GROUP, K // GROUP, GROUP)
+    w = (w * e8m0_to_float(weight.scale)[:, None, :, None]).view(N, K)
+    return (w[:, None, :] * x.reshape(-1, K)[None]).sum(-1).t().reshape(*lead, N)
+
+
+def prepare(model) -> None:
+    """Ready a loaded model (``engine.model.Transformer``) for these kernels: e8m0 scales as bytes
+    (``e8m0_as_bytes``) and the LM head compiled (``CompiledHead.warm``)."""
+    e8m0_as_bytes(model)
+    if isinstance(model.ops.lm_head, CompiledHead) and model.head.fmt is None:
+        model.ops.lm_head.warm(model.head.weight)
+
+
+def e8m0_as_bytes(model: torch.nn.Module) -> int:
+    """Hold every ``float8_e8m0fnu`` scale of ``model`` as its raw bytes (uint8 views, in place) and
+    return how many. Inductor has no e8m0 type on CPU: a compiled graph converts such a scale by a
+    fallback call per weight (about 6 ms of the tiny model's 18 ms step), where the uint8 form
+    (``fp8_mxfp4.e8m0_to_float``, value for value the same) fuses into the dequantisation."""
+    n = 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.dtype == torch.float8_e8m0fnu:
+            t.data = t.data.view(torch.uint8)
+            n += 1
+    return n
 
 
 def cpu_ops(base, kernel_config: dict[str, str]):
     """``base`` (the reference table) with the compiled CPU kernels, except the ops that
     ``kernel_config`` pins to ``native``."""
-    if kernel_config.get("lm_head") == "native":
-        return base
-    return base.with_overrides(lm_head=CompiledHead())
+    kernels = {"lm_head": CompiledHead(), "quant_linear": quant_linear}
+    return base.with_overrides(**{k: f for k, f in kernels.items() if kernel_config.get(k) != "native"})

@@ -1,13 +1,16 @@
 """The inductor-generated CPU kernels of graph mode (``engine.ops.cpu``): the LM head's values against
 the reference op and fp64, a row's bits whatever the number of rows (batch invariance), the cases
-that keep the reference, and which table each run config gets."""
+that keep the reference, and which table each run config gets; the compiled step's fused FP8
+linear, its e4m3 decode and the e8m0 scales held as bytes."""
 import logging
 
 import pytest
 import torch
 
 import engine.ops.cpu as cpu
+from engine.checkpoint.fp8_mxfp4 import e4m3_to_float, quant_fp8_block
 from engine.ops import REFERENCE, ops_for, reference
+from engine.ops.packed import Packed, dequant
 
 V, H = 4099, 256          # an odd vocab: no size is a multiple of the vector width
 
@@ -80,3 +83,59 @@ def test_graph_mode_on_cpu_gets_the_kernel_and_native_pins_the_reference():
     assert pinned.lm_head is reference.lm_head
     with pytest.raises(ValueError, match="kernel_config"):
         ops_for("cpu", {"lm_head": "fast"}, compiled=True)
+
+
+def test_e4m3_fields_decode_bit_for_bit_compiled_and_with_flush_to_zero():
+    """Inside a compiled graph an e4m3 byte is decoded from its fields: every one of the 256 codes
+    (subnormals, -0, +-448, NaN) equals torch's own conversion, also with denormals flushed."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want = codes.to(torch.float32)
+    decode = torch.compile(e4m3_to_float, fullgraph=True)
+    for flush in (False, True):
+        torch.set_flush_denormal(flush)
+        try:
+            got = decode(codes)
+        finally:
+            torch.set_flush_denormal(False)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32)), flush
+
+
+def _fp8(N, K, seed=2):
+    q, s = quant_fp8_block(torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05, (128, 128))
+    return Packed(q, s, "fp8")
+
+
+@pytest.mark.parametrize("M", [1, 3, 4])
+def test_fused_fp8_linear_in_a_compiled_step_equals_the_reference(M):
+    """The compiled step's FP8 linear (one reduction, bytes decoded in registers) against the
+    reference op: the same fp32 products in another order, with e8m0 scales as float8 or bytes."""
+    w, x = _fp8(384, 256), _x(M)[:, :256]
+    ref = reference.quant_linear(x, w, None)
+    step = torch.compile(cpu.quant_linear, fullgraph=True, dynamic=False)
+    as_bytes = Packed(w.data, w.scale.view(torch.uint8), "fp8")
+    for packed in (w, as_bytes):
+        got = step(x, packed, None)
+        assert got.shape == (M, 384) and got.dtype == torch.float32
+        assert (got - ref).abs().max().item() <= 1e-6 * (x.abs() @ dequant(w, torch.float32).abs().t()).max().item()
+
+
+def test_fused_fp8_linear_keeps_the_reference_outside_its_case():
+    w, x = _fp8(384, 256), _x(2)[:, :256]
+    assert cpu.fused_why(x, w, None).startswith("eager")          # not compiling
+    assert torch.equal(cpu.quant_linear(x, w, None), reference.quant_linear(x, w, None))
+    reasons = torch.compile(lambda x, w: [cpu.fused_why(x, w, None), cpu.fused_why(x, w, "int8"),
+                                          cpu.fused_why(_x(5)[:, :256], w, None)], fullgraph=False)
+    fused, act, rows = reasons(x, w)
+    assert fused is None and "int8" in act and rows == f"more than {cpu.FUSED_ROWS} rows"
+
+
+def test_e8m0_scales_held_as_bytes_keep_their_values():
+    w = _fp8(256, 256)
+    lin = torch.nn.Module()
+    lin.weight = torch.nn.Parameter(w.data, requires_grad=False)
+    lin.scale = torch.nn.Parameter(w.scale, requires_grad=False)
+    before = dequant(w, torch.float32)
+    assert cpu.e8m0_as_bytes(lin) == 1 and lin.scale.dtype == torch.uint8
+    assert torch.equal(dequant(Packed(lin.weight, lin.scale, "fp8"), torch.float32), before)
+    assert cpu.e8m0_as_bytes(lin) == 0
