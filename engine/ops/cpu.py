@@ -36,7 +36,7 @@ from engine.ops.packed import Packed
 log = logging.getLogger(__name__)
 PROBE_ROWS = 3
 GROUP = 128               # the original checkpoint's FP8 block (§2.1)
-FUSED_ROWS = 4            # past this a BLAS GEMM on a dequantised tile is faster (bench/bench_cpu_kernels.py)
+FUSED_ROWS = 2            # past this a BLAS GEMM on a dequantised tile is faster (bench/bench_cpu_kernels.py)
 _compiled_head = None
 
 

@@ -106,7 +106,7 @@ def _fp8(N, K, seed=2):
     return Packed(q, s, "fp8")
 
 
-@pytest.mark.parametrize("M", [1, 3, 4])
+@pytest.mark.parametrize("M", [1, 2])
 def test_fused_fp8_linear_in_a_compiled_step_equals_the_reference(M):
     """The compiled step's FP8 linear (one reduction, bytes decoded in registers) against the
     reference op: the same fp32 products in another order, with e8m0 scales as float8 or bytes."""
