@@ -55,10 +55,13 @@ def ops_rows(ckpt: Path, hw: dict, fp8_shapes=FP8_SHAPES) -> list[dict]:
     from engine.ops.packed import Packed
 
     gbs = hw["read_gbs"] * 1e9
+    head = None
     for f in sorted(ckpt.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
             if "head.weight" in st.keys():
                 head = st.get_tensor("head.weight")
+    if head is None:
+        raise SystemExit(f"--ckpt: no head.weight in {ckpt} (scripts/quickstart.sh writes models/tiny-flash)")
     rows = []
     kernel = cpu.CompiledHead()
     for M in (1, 8, 64):

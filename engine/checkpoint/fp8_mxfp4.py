@@ -8,7 +8,8 @@
 Decoders go through torch's own float8 dtypes (a library beats home-made bit twiddling), with one
 exception: inside an inductor-compiled graph on CPU (graph mode's decode step), where torch's float8
 conversion becomes a fallback call and a lookup-table gather scalar loads, an e4m3 byte is decoded
-from its fields (``_e4m3_arith``, bit-equal to torch's conversion on all 256 codes). The encoders
+from its fields (``_e4m3_arith``: bit-equal to torch's conversion on the 254 non-NaN codes, NaN for
+0x7F / 0xFF). The encoders
 exist for ``dsv4-make-tiny`` and produce exactly representable values.
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ def e4m3_to_float(w: torch.Tensor) -> torch.Tensor:
 
 
 def _e4m3_arith(u8: torch.Tensor) -> torch.Tensor:
-    """e4m3fn bytes -> fp32 by integer arithmetic on the fields (bit-equal to ``_E4M3_LUT``): a
+    """e4m3fn bytes -> fp32 by integer arithmetic on the fields (bit-equal to ``_E4M3_LUT`` but for
+    the NaN payloads): a
     normal code's exponent is rebiased (7 -> 127) and its 3 mantissa bits moved to the top of fp32's;
     a subnormal one is ``m * 2^-9``, formed without fp32 denormals so a flush-to-zero mode changes
     nothing; 0x7F / 0xFF are NaN. Element-wise ops that inductor vectorises."""

@@ -10,8 +10,8 @@ are read.
 over the bf16 (or fp32) head. The products and the sum are fp32, as in the reference and in HF's
 fp32 model (whose head holds the same bf16 values widened); only the order of the fp32 additions
 differs (inductor's vector lanes), about 1e-6 relative. On a 2-core EPYC at the tiny model's
-head (129280 x 256 bf16, 66 MB) it takes 2.5 ms at 1 row against the reference's 22 ms
-(``bench/bench_cpu_kernels.py``).
+head (129280 x 256 bf16, 66 MB) it takes 2.2 ms at 1 row (the bandwidth limit) against the
+reference's 14.3 ms (``bench/bench_cpu_kernels.py``).
 
 Batch invariance (``engine.ops.reference.blas``): every output element is one reduction over the
 hidden dim, vectorised along it, whatever the number of rows, so a row's bits do not depend on
@@ -66,7 +66,10 @@ class CompiledHead:
         global _compiled_head
         if _compiled_head is None:
             _compiled_head = torch.compile(_head, fullgraph=True, dynamic=True)
-        out = _compiled_head(x.contiguous(), weight)
+        # dynamo guards on grad mode and on whether x is a view: the same call state every time
+        # (a fresh, no-grad tensor) keeps serving on the variants the probe compiled and checked
+        with torch.no_grad():
+            out = _compiled_head(x.detach().clone(memory_format=torch.contiguous_format), weight)
         return out.t().contiguous() if out.shape[1] > 1 else out.view(1, -1)
 
     def _probe(self, weight: torch.Tensor) -> bool:
@@ -76,7 +79,8 @@ class CompiledHead:
         try:
             one, two, three = (self._run(x[:m], weight) for m in (1, 2, PROBE_ROWS))
         except Exception as e:                    # inductor failed (e.g. no C++ compiler): keep the reference
-            log.warning("lm_head on cpu: reference op (compile failed: %s)", str(e).splitlines()[0][:200])
+            log.warning("lm_head on cpu: reference op (compile failed: %s)",
+                        (str(e).splitlines() or [type(e).__name__])[0][:200])
             return False
         ok = torch.equal(one[0], two[0]) and torch.equal(two, three[:2])
         if not ok:
@@ -120,7 +124,8 @@ def fused_why(x: torch.Tensor, weight: Packed, act: str | None) -> str | None:
 
 def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tensor:
     """``reference.quant_linear``; inside the compiled decode step, for an FP8 block-scaled weight
-    and at most ``FUSED_ROWS`` fp32 rows, ``sum_k dequant(w)[n, k] * x[m, k]`` as one reduction:
+    and at most ``FUSED_ROWS`` fp32 rows (on CPU the step has one bucket, batch_size x span rows, so
+    an engine configured for at most 2), ``sum_k dequant(w)[n, k] * x[m, k]`` as one reduction:
     the e4m3 bytes are decoded and scaled in registers (``fp8_mxfp4.e4m3_to_float``'s arithmetic
     form), so only the stored bytes are read, where the reference writes and reads an fp32 tile.
     The same fp32 products, summed in another order. x ``[..., K]`` -> ``[..., N]`` fp32."""

@@ -1,14 +1,12 @@
 """``python -m bench.bench_cpu_kernels``: its ops table measures the reference, the compiled reference
 and the kernel on the same inputs, beside a limit computed from the stored bytes."""
-from pathlib import Path
+import pytest
 
 from bench.bench_cpu_kernels import ops_rows
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_ops_rows_time_every_path_beside_the_stored_bytes_limit():
-    rows = ops_rows(ROOT / "models" / "tiny-flash", {"read_gbs": 10.0}, fp8_shapes=[(256, 512)])
+def test_ops_rows_time_every_path_beside_the_stored_bytes_limit(tiny_ckpt):
+    rows = ops_rows(tiny_ckpt("flash", 1), {"read_gbs": 10.0}, fp8_shapes=[(256, 512)])
     head = [r for r in rows if r["op"].startswith("lm_head")]
     fp8 = [r for r in rows if r["op"].startswith("fp8")]
     assert [r["rows"] for r in head] == [1, 8, 64] and [r["rows"] for r in fp8] == [1, 2, 4]
@@ -16,3 +14,8 @@ def test_ops_rows_time_every_path_beside_the_stored_bytes_limit():
     assert all(r["reference"] > 0 and r["kernel"] > 0 for r in rows)
     assert head[0]["limit"] == 1e3 * 129280 * 256 * 2 / 10e9          # bf16 head bytes / 10 GB/s
     assert fp8[0]["limit"] == 1e3 * (256 * 512 + 2 * 4) / 10e9        # e4m3 bytes + e8m0 scales
+
+
+def test_a_checkpoint_without_a_head_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="--ckpt: no head.weight in"):
+        ops_rows(tmp_path, {"read_gbs": 10.0})

@@ -46,6 +46,19 @@ def test_a_rows_bits_do_not_depend_on_the_row_count():
         assert torch.equal(head(x[:M], w), alone[:M]), M
 
 
+def test_serving_calls_run_the_kernels_the_probe_compiled():
+    """After ``warm`` (what build_engine does before serving) no call compiles again: not under
+    no_grad (``Transformer.logits``), not for a view, not for another row count."""
+    w, x = _head(), _x(9)
+    head = cpu.CompiledHead()
+    assert head.warm(w)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                for rows in (x[:1], x[1:3], x, x[:5].clone()):
+                    assert torch.equal(head(rows, w), torch.cat([head(r[None], w) for r in rows]))
+
+
 def test_outside_the_kernel_the_reference_runs_bit_for_bit():
     w, head = _head(), cpu.CompiledHead()
     xb = _x(3).bfloat16()
@@ -75,6 +88,14 @@ def test_a_failed_compile_or_probe_keeps_the_reference(monkeypatch, caplog):
         assert torch.equal(cpu.CompiledHead()(x, w), reference.lm_head(x, w))
     assert "depend on the row count" in caplog.text
 
+    def empty_message(x, w):
+        raise MemoryError()
+    monkeypatch.setattr(cpu, "_compiled_head", empty_message)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.ops.cpu"):
+        assert torch.equal(cpu.CompiledHead()(x, w), reference.lm_head(x, w))
+    assert "compile failed: MemoryError" in caplog.text
+
 
 def test_graph_mode_on_cpu_gets_the_kernel_and_native_pins_the_reference():
     assert ops_for("cpu") is REFERENCE
@@ -86,8 +107,9 @@ def test_graph_mode_on_cpu_gets_the_kernel_and_native_pins_the_reference():
 
 
 def test_e4m3_fields_decode_bit_for_bit_compiled_and_with_flush_to_zero():
-    """Inside a compiled graph an e4m3 byte is decoded from its fields: every one of the 256 codes
-    (subnormals, -0, +-448, NaN) equals torch's own conversion, also with denormals flushed."""
+    """Inside a compiled graph an e4m3 byte is decoded from its fields: the 254 non-NaN codes
+    (subnormals, -0, +-448) equal torch's own conversion bit for bit, also with denormals flushed;
+    0x7F / 0xFF are NaN."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     want = codes.to(torch.float32)
     decode = torch.compile(e4m3_to_float, fullgraph=True)
