@@ -29,9 +29,8 @@ import logging
 
 import torch
 
-from engine.checkpoint.fp8_mxfp4 import e4m3_to_float, e8m0_to_float
 from engine.ops import reference
-from engine.ops.packed import Packed
+from engine.ops.packed import Packed, dequant
 
 log = logging.getLogger(__name__)
 PROBE_ROWS = 3
@@ -87,20 +86,21 @@ class CompiledHead:
             log.warning("lm_head on cpu: reference op (the compiled kernel's rows depend on the row count)")
         return ok
 
-    def warm(self, weight: torch.Tensor) -> bool:
-        """Compile and probe for ``weight`` now (a worker does this before it serves, so no step
-        pays for a compile); returns whether the kernel will run. No collectives."""
-        x = torch.zeros(1, weight.shape[1], device=weight.device)
-        if self.why_not(x, weight) is not None:
-            return False
+    def _probed(self, weight: torch.Tensor) -> bool:
         key = (tuple(weight.shape), weight.dtype)
         if key not in self._ok:
             self._ok[key] = self._probe(weight)
         return self._ok[key]
 
+    def warm(self, weight: torch.Tensor) -> bool:
+        """Compile and probe for ``weight`` now (a worker does this before it serves, so no step
+        pays for a compile); returns whether the kernel will run. No collectives."""
+        x = torch.zeros(1, weight.shape[1], device=weight.device)
+        return self.why_not(x, weight) is None and self._probed(weight)
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x ``[M, H]`` fp32, weight ``[V, H]`` bf16 / fp32 -> logits ``[M, V]`` fp32."""
-        if self.why_not(x, weight) is None and self.warm(weight):
+        if self.why_not(x, weight) is None and self._probed(weight):
             return self._run(x, weight)
         return reference.lm_head(x, weight)
 
@@ -131,9 +131,9 @@ def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tens
     The same fp32 products, summed in another order. x ``[..., K]`` -> ``[..., N]`` fp32."""
     if fused_why(x, weight, act) is not None:
         return reference.quant_linear(x, weight, act)
+    # the reference's dequantisation, traced: its e4m3 / e8m0 decodes are arithmetic when compiling
     (N, K), lead = weight.shape[-2:], x.shape[:-1]
-    w = e4m3_to_float(weight.data).view(N // GROUP, GROUP, K // GROUP, GROUP)
-    w = (w * e8m0_to_float(weight.scale)[:, None, :, None]).view(N, K)
+    w = dequant(weight, torch.float32)
     return (w[:, None, :] * x.reshape(-1, K)[None]).sum(-1).t().reshape(*lead, N)
 
 
