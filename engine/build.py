@@ -47,7 +47,8 @@ def exec_config(cfg: RunConfig) -> ExecConfig:
     mode = m.exe_mode
     return ExecConfig(exe_mode=mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
                       static_kernel=m.enable_static_kernel, cache_compile=m.enable_cache_compile,
-                      compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel)
+                      compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel,
+                      batch_sizes=None if m.graph_batch_sizes is None else tuple(m.graph_batch_sizes))
 
 
 def check_platform_version(cfg: RunConfig, found: str | None) -> None:

@@ -4,7 +4,7 @@ Four sections with the upstream keys and defaults (reference/upstream-baseline.m
 ``model_config`` (with ``custom_params``), ``data_config``, ``parallel_config`` and
 ``scheduler_config``, so an upstream DeepSeek-V4 YAML loads as is. Our additions: in
 ``scheduler_config`` ``cpu_memory_gb``, ``num_kv_blocks``, ``max_model_len``; in ``model_config``
-``quant_type`` and ``plan_config`` (the memory plan, ``engine.memory_plan``).
+``quant_type``, ``plan_config`` (the memory plan, ``engine.memory_plan``) and ``graph_batch_sizes``.
 
 Unlike config.json (written by the checkpoint's publisher, so unknown keys are only logged), a run
 config is written by the user: an unknown section or key is an error with a "did you mean"
@@ -103,6 +103,9 @@ class ModelConfig:
     # config.json (or a directory holding one) the memory plan reads while model_path has none (a
     # placeholder): configs/models/deepseek-v4-flash | deepseek-v4-pro, the real published ones
     plan_config: str = ""
+    # batch buckets of the graph decode step (vLLM's cudagraph_capture_sizes); the rank's batch
+    # size is always one. None: 1, 2, 4, .. on a device; on CPU the batch size alone
+    graph_batch_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.platform_version, int) and not isinstance(self.platform_version, bool):
@@ -117,6 +120,9 @@ class ModelConfig:
             choice(self, "quant_type", QUANT_TYPES)
         if self.enable_static_kernel and self.exe_mode != "npugraph_ex":
             fail(self, "enable_static_kernel", f"needs exe_mode 'npugraph_ex', got exe_mode {self.exe_mode!r}")
+        sizes = self.graph_batch_sizes
+        if sizes is not None and (not sizes or min(sizes) < 1 or sizes != sorted(set(sizes))):
+            fail(self, "graph_batch_sizes", f"must be positive integers in ascending order, got {sizes!r}")
 
 
 @dataclass(frozen=True)

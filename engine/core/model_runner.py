@@ -9,7 +9,8 @@ prefill always runs eager through ``Transformer.forward_batch``:
     ge_graph      Ascend: torchair's GE backend; CUDA / CPU: as npugraph_ex
 
 The graph-mode step is ``StaticDecoder`` (fixed shapes, no host syncs), padded to the smallest
-batch bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only) that holds the rows
+batch bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only; or
+``model_config.graph_batch_sizes``) that holds the rows
 and run with the entry tables of the smallest context bucket (256, 512, ... up to max_model_len)
 that holds the longest row, so a step costs O(its longest context), not O(max_model_len). Every
 (batch, context) pair is warmed up (captured / compiled) at start so no request pays for a
@@ -46,7 +47,8 @@ class ExecConfig:
     limit_core (custom_params.enable_limit_core); static_kernel (model_config.enable_static_kernel);
     cache_compile (model_config.enable_cache_compile) with compile_dir (model_config.output_path);
     dynamic_graph (model_config.enable_dynamic_graph, npugraph_ex only); superkernel
-    (custom_params.enable_superkernel).
+    (custom_params.enable_superkernel); batch_sizes (model_config.graph_batch_sizes: the batch
+    buckets, ``DecodeRunner``).
     """
 
     exe_mode: str = "eager"
@@ -57,6 +59,7 @@ class ExecConfig:
     compile_dir: str = ""
     dynamic_graph: bool = False
     superkernel: bool = False
+    batch_sizes: tuple[int, ...] | None = None
 
     @property
     def graph(self) -> bool:
@@ -73,6 +76,16 @@ def buckets(max_batch: int, smallest: int = 1) -> list[int]:
 
 
 SMALLEST_CONTEXT = 256
+
+
+def batch_buckets(max_batch: int, kind: str, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The batch buckets of a rank: ``sizes`` below ``max_batch``, then ``max_batch``; without
+    ``sizes`` ``buckets(max_batch)``, or on CPU ``max_batch`` alone (CPU replays nothing, and each
+    bucket is a compile of tens of seconds; a CPU server that also runs one request at a time lists
+    1, so that request does not pay for a full batch of padding rows)."""
+    if sizes is None:
+        return [max_batch] if kind == "cpu" else buckets(max_batch)
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
 def context_buckets(max_model_len: int) -> list[int]:
@@ -103,8 +116,7 @@ class DecodeRunner:
         self.parallel = model.parallel if rows_mode is not None else None
         self.rows_mode = rows_mode
         self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core, span)
-        # CPU replays nothing: one bucket (the batch size) is one compile instead of log2(batch) ones
-        self.buckets = [max_batch] if platform.kind == "cpu" else buckets(max_batch)
+        self.buckets = batch_buckets(max_batch, platform.kind, cfg.batch_sizes)
         self.contexts = context_buckets(max_model_len)
         self.device = model.embed.weight.device
         self._fns: dict[tuple[int, int], object] = {}

@@ -14,7 +14,7 @@ from engine.platform import soc_platform
 from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.run_config import RunConfig
-from engine.core.model_runner import DecodeRunner, ExecConfig, buckets, context_buckets
+from engine.core.model_runner import DecodeRunner, ExecConfig, batch_buckets, buckets, context_buckets
 from engine.core.sampling_params import SamplingParams
 
 from graph_cfg import assert_close_outputs, graph_run_config, graph_threads
@@ -151,6 +151,11 @@ def test_buckets_and_bucket_choice(model):
     assert eng.runner.bucket(3) == 4
     with pytest.raises(ValueError, match="exceed the largest bucket 4"):
         eng.runner.bucket(5)
+    # model_config.graph_batch_sizes: listed sizes below the rank's batch, then the batch
+    assert batch_buckets(8, "cpu") == [8] and batch_buckets(8, "cuda") == [1, 2, 4, 8]
+    assert batch_buckets(8, "cpu", (1,)) == [1, 8] and batch_buckets(8, "npu", (1, 4, 16)) == [1, 4, 8]
+    eng = _engine(model, batch_size=4, runner_cfg=ExecConfig(exe_mode="ge_graph", batch_sizes=(1, 2)))
+    assert eng.runner.buckets == [1, 2, 4] and eng.runner.bucket(1) == 1 and eng.runner.bucket(3) == 4
 
 
 def _cfg(tiny, exe_mode="eager", **custom):
@@ -163,7 +168,10 @@ def _cfg(tiny, exe_mode="eager", **custom):
 def test_build_engine_wires_the_run_config(tiny_ckpt):
     cfg = _cfg(tiny_ckpt("flash", 1), "npugraph_ex", enable_multi_streams=True)
     ex = exec_config(cfg)
-    assert ex.graph and ex.multi_streams and ex.exe_mode == "npugraph_ex"
+    assert ex.graph and ex.multi_streams and ex.exe_mode == "npugraph_ex" and ex.batch_sizes is None
+    raw = cfg.to_dict()
+    raw["model_config"]["graph_batch_sizes"] = [1]
+    assert exec_config(RunConfig.from_dict(raw)).batch_sizes == (1,)
     eng = build_engine(cfg, progress=False, graph=False)         # a prefill worker: eager, no compile
     assert eng.runner is None
     assert all(layer.ffn.chunk == 64 and layer.ffn.side is None for layer in eng.model.layers)

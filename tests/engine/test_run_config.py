@@ -258,6 +258,12 @@ BAD = [
     ("model_config.quant_type", "w8a8", "model_config.quant_type: must be one of 'w8a8-int', 'w4a8-int', "
      "'w4a8-mx', 'w4a8-mx-hif', got 'w8a8' (did you mean 'w8a8-int'?)"),
     ("model_config.plan_config", 1, "model_config.plan_config: must be a string, got 1 (int)"),
+    ("model_config.graph_batch_sizes", [4, 2], "model_config.graph_batch_sizes: must be positive integers in "
+     "ascending order, got [4, 2]"),
+    ("model_config.graph_batch_sizes", [0, 8], "model_config.graph_batch_sizes: must be positive integers in "),
+    ("model_config.graph_batch_sizes", [], "model_config.graph_batch_sizes: must be positive integers in "),
+    ("model_config.graph_batch_sizes", [1.5], "model_config.graph_batch_sizes: must be a list of integers, got [1.5]"),
+    ("model_config.graph_batch_sizes", 8, "model_config.graph_batch_sizes: must be a list of integers, got 8 (int)"),
     ("model_config.custom_params.moe_chunk_max_len", 0,
      "model_config.custom_params.moe_chunk_max_len: must be a positive integer, got 0"),
     ("model_config.custom_params.num_hidden_layers", 0, "model_config.custom_params.num_hidden_layers: must be a "),
