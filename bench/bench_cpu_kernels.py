@@ -6,10 +6,10 @@ reference ops and the memory limit, per op and for the whole decode step.
 
 * **ops**: the LM head (the checkpoint's own bf16 head) at 1 / 8 / 64 rows, and an FP8
   block-scaled linear at Flash's ``wq_b`` / ``wo_b`` shapes (32768 x 1024, 4096 x 8192) at 1 / 2 /
-  4 rows: the reference op (eager), the reference compiled (how the graph step ran an FP8 linear
-  before these kernels: a dequantised fp32 tile, then BLAS; the head always ran eager: "-"), the
-  kernel; beside the limit = stored bytes / the probed
-  read bandwidth. Median ms.
+  4 rows, and the routed experts (MXFP4, 6 slots a row) at ``MOE_SHAPES``: the reference op
+  (eager), the reference compiled (how the graph step ran these before the kernels: a dequantised
+  fp32 tile, then BLAS; for the experts ``moe_experts_gathered``; the head always ran eager: "-"),
+  the kernel; beside the limit = stored bytes / the probed read bandwidth. Median ms.
 * **step**: the engine's decode step (``build_engine`` on the checkpoint's ``configs/tiny-flash.yaml``
   run config, ``--prompt-len`` random prompts, greedy) in ``eager``, in graph mode with every
   kernel pinned to the reference (``kernel_config: native``) and in graph mode with the kernels;
@@ -33,6 +33,9 @@ from bench import roofline as R
 
 ROOT = Path(__file__).resolve().parents[1]
 FP8_SHAPES = [(32768, 1024), (4096, 8192)]          # Flash wq_b, wo_b (reference §2.2)
+# routed experts (E, I, H, batch sizes): the bundled tiny model's widths with 64 experts (the
+# vLLM-CPU comparison checkpoint of issue 25), and one Flash expert shape (§2.2) at batch 1
+MOE_SHAPES = [(64, 128, 256, (1, 8)), (8, 2048, 4096, (1,))]
 
 
 def _ms(fn, *args, reps: int = 20) -> float:
@@ -78,6 +81,36 @@ def ops_rows(ckpt: Path, hw: dict, fp8_shapes=FP8_SHAPES) -> list[dict]:
             rows.append(dict(op=f"fp8 linear [{N}, {K}]", rows=M, reference=_ms(reference.quant_linear, x, w, None),
                              compiled_reference=_ms(step_ref, x, w, None), kernel=_ms(step_fused, x, w, None),
                              limit=1e3 * (q.numel() + s.numel()) / gbs))
+    rows += moe_rows(gbs)
+    return rows
+
+
+def moe_rows(gbs: float, shapes=MOE_SHAPES, k: int = 6) -> list[dict]:
+    """Routed experts (MXFP4, k slots per row) in the compiled step: the graph step's reference
+    (``moe_experts_gathered``: each gathered expert dequantised to fp32, then a batched GEMV) and
+    the fused kernel (``cpu.moe_experts``), compiled alike; the eager reference op beside them."""
+    from engine.checkpoint.fp8_mxfp4 import quant_mxfp4
+    from engine.core.static_decode import moe_experts_gathered
+    from engine.ops import cpu, reference
+    from engine.ops.packed import Packed
+
+    def stack(E, N, K):
+        qs = [quant_mxfp4(torch.randn(N, K) * 0.05) for _ in range(E)]
+        return Packed(torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs]).view(torch.uint8), "fp4")
+
+    rows = []
+    for E, I, H, batches in shapes:
+        w = (stack(E, I, H), stack(E, I, H), stack(E, H, I))
+        gathered = torch.compile(moe_experts_gathered, dynamic=False)
+        fused = torch.compile(cpu.moe_experts, dynamic=False)
+        for B in batches:
+            x, ids, wt = torch.randn(B, H), torch.randint(0, E, (B, k)), torch.rand(B, k)
+            reps = 20 if I * H <= 1 << 20 else 3
+            stored = B * k * sum(p.data[0].numel() + p.scale[0].numel() for p in w)
+            rows.append(dict(op=f"moe experts fp4 E={E} [{I}, {H}] k={k}", rows=B,
+                             reference=_ms(reference.moe_experts, x, ids, wt, *w, 10.0, reps=reps),
+                             compiled_reference=_ms(gathered, x, ids, wt, *w, 10.0, reps=reps),
+                             kernel=_ms(fused, x, ids, wt, *w, 10.0, reps=reps), limit=1e3 * stored / gbs))
     return rows
 
 
@@ -94,8 +127,8 @@ def _engine(ckpt: Path, batch: int, exe_mode: str, kernel_config: dict | None):
 
 def step_row(ckpt: Path, batch: int, prompt_len: int, steps: int) -> dict:
     from engine.core.sampling_params import SamplingParams
-    modes = {"eager": ("eager", None), "graph, reference ops": ("npugraph_ex", {"lm_head": "native",
-                                                                              "quant_linear": "native"}),
+    native = {"lm_head": "native", "quant_linear": "native", "moe_experts": "native"}
+    modes = {"eager": ("eager", None), "graph, reference ops": ("npugraph_ex", native),
              "graph, CPU kernels": ("npugraph_ex", None)}
     out, got = {"batch": batch}, {}
     for name, (mode, kc) in modes.items():

@@ -103,9 +103,11 @@ _BYTE_LUT = torch.stack([FP4_LUT[torch.arange(256) & 0xF], FP4_LUT[torch.arange(
 _BYTE_LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _byte_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def byte_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The LUT on ``device`` in ``dtype``, copied once: a host-to-device copy inside a CUDA graph
-    capture (the static decode step dequantises MXFP4 experts) is refused, and every step would pay it."""
+    capture (the static decode step dequantises MXFP4 experts) is refused, and every step would pay it.
+    A graph step calls this before it is traced: a copy made while dynamo traces leaves a guard
+    (the key absent) that fails once the copy exists, and the step compiles again at its next call."""
     lut = _BYTE_LUTS.get((device, dtype))
     if lut is None:
         lut = _BYTE_LUTS[(device, dtype)] = _BYTE_LUT.to(device, dtype)
@@ -115,9 +117,22 @@ def _byte_lut(device: torch.device, dtype: torch.dtype = torch.float32) -> torch
 def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed e2m1 pairs ``int8 [..., in/2]`` -> ``[..., in]`` of ``dtype`` (fp32 or bf16: every
     e2m1 value is exact in both); low nibble = even column."""
+    if packed.device.type == "cpu" and torch.compiler.is_compiling():   # inductor: a gather is scalar loads
+        u = packed.view(torch.uint8).to(torch.int32)
+        return torch.stack([_e2m1_arith(u & 15), _e2m1_arith(u >> 4)], dim=-1).flatten(-2).to(dtype)
     u8 = packed.contiguous().view(torch.uint8)
-    vals = _byte_lut(packed.device, dtype).index_select(0, u8.reshape(-1).int())
+    vals = byte_lut(packed.device, dtype).index_select(0, u8.reshape(-1).int())
     return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _e2m1_arith(c: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (int32, 0..15) -> fp32 by arithmetic on the fields, bit-equal to ``FP4_LUT``
+    (-0 included): exponent e > 0 is rebiased (1 -> 127) with the mantissa bit at the top of
+    fp32's; e = 0 is ``m / 2``. Element-wise ops that inductor vectorises."""
+    e, m = (c >> 1) & 3, c & 1
+    normal = (((e + 126) << 23) | (m << 22)).view(torch.float32)
+    mag = torch.where(e == 0, m.to(torch.float32) * 0.5, normal)
+    return torch.where(c >= 8, -mag, mag)
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

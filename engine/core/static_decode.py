@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from engine.core.kv_cache import PagedCache
 from engine.core.paged_state import slot_mapping
+from engine.checkpoint.fp8_mxfp4 import byte_lut
 from engine.config import CSA_RATIO
 from engine.model.attention import Attention, Compressor
 from engine.model.moe import MoE
@@ -115,6 +116,8 @@ class StaticDecoder:
         # same fp32 values as RotaryTable.cos_sin per step, looked up instead of computed (no fp64)
         self.rope = {id(model.rope_main): model.rope_main.cos_sin(pos),
                      id(model.rope_compress): model.rope_compress.cos_sin(pos)}
+        for dt in (torch.float32, torch.bfloat16):     # before any trace (fp8_mxfp4.byte_lut)
+            byte_lut(dev, dt)
         p = self.platform
         self.side = p.new_stream() if multi_streams else None
         self.limit_core = limit_core and self.side is not None

@@ -19,9 +19,13 @@ the rows beside it. dynamo specialises M = 1 and compiles one dynamic kernel for
 first call checks that both give a probe's rows bit for bit, and falls back to the reference
 (logged) where they do not, or where inductor cannot compile (no C++ compiler).
 
+Inside the compiled decode step, ``quant_linear`` (FP8 block-scaled, at most ``FUSED_ROWS`` rows)
+and ``moe_experts`` (the checkpoint's MXFP4 experts, each row's k gathered experts) are fused
+reductions over the stored bytes, decoded in registers; eager calls (prefill) take the reference.
+
 Used when the run config picks a graph ``exe_mode`` on CPU (``engine.ops.ops_for(compiled=True)``),
 where numerics within the graph step's bound (not bit-equal to eager) are already the contract;
-``kernel_config: {lm_head: native}`` keeps the reference.
+``kernel_config: {lm_head: native}`` (or ``quant_linear`` / ``moe_experts``) keeps the reference.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import logging
 
 import torch
 
+from engine.checkpoint.fp8_mxfp4 import MXFP4_GROUP, _e2m1_arith, e8m0_to_float
 from engine.ops import reference
 from engine.ops.packed import Packed, dequant
 
@@ -137,6 +142,78 @@ def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tens
     return (w[:, None, :] * x.reshape(-1, K)[None]).sum(-1).t().reshape(*lead, N)
 
 
+def moe_why(x: torch.Tensor, ids: torch.Tensor, w1, w3, w2, act: str | None) -> str | None:
+    """None when ``moe_experts`` runs as fused gathered reductions here, else the reason (the
+    ``why`` a graph step asks of a platform kernel, ``engine.core.static_decode``)."""
+    if not torch.compiler.is_compiling():
+        return "eager (the fused form is for the compiled decode step)"
+    if x.device.type != "cpu" or x.dtype != torch.float32 or act is not None:
+        return f"x {x.dtype} on {x.device.type} with {act} activations"
+    if not all(isinstance(w, Packed) and w.fmt == "fp4" for w in (w1, w3, w2)):
+        return "experts not stored as the checkpoint's MXFP4"
+    return None
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float,
+                act: str | None = None) -> torch.Tensor:
+    """``reference.moe_experts``; inside the compiled decode step, for the checkpoint's MXFP4
+    experts and fp32 rows, each (row, slot) pair as a fused reduction over its gathered expert:
+    ``sum_k dequant(w[ids[b, j]])[n, k] * x[b, k]`` with the e2m1 codes and e8m0 scales decoded in
+    registers, so only the B * k experts' stored bytes are read (the graph step's reference,
+    ``static_decode.moe_experts_gathered``, writes each as an fp32 ``[B, I, H]`` tile for a
+    batched GEMV). A gathered expert serves one row, so this is a matrix-vector product at every
+    batch size: the case where the fused form beats a dequantised tile and BLAS. Same fp32
+    products, summed in another order; slots accumulate in order in fp32 as there.
+    x ``[B, H]``; ids, weights ``[B, k]``; w1, w3 ``[E, I, H]``; w2 ``[E, H, I]`` -> ``[B, H]`` fp32."""
+    if moe_why(x, ids, w1, w3, w2, act) is not None:
+        return reference.moe_experts(x, ids, weights, w1, w3, w2, limit, act)
+    (B, H), k = x.shape, ids.shape[1]
+    flat = expert_ids(ids.reshape(-1))                                      # [B * k], row b's slots together
+    xs = x[:, None].expand(B, k, H).reshape(B * k, H)
+    h = reference.swiglu_clamp(_matvec(w1.take(flat), xs), _matvec(w3.take(flat), xs), limit)
+    y = _matvec(w2.take(flat), h).view(B, k, H)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(k):
+        out += y[:, j] * weights[:, j:j + 1].float()
+    return out
+
+
+@torch.library.custom_op("dsv4::expert_ids", mutates_args=())
+def expert_ids(ids: torch.Tensor) -> torch.Tensor:
+    """A copy of ``ids``, opaque to inductor: the gathers index a stored buffer. Where the ids are
+    computed in the graph (a hash layer's ``tid2eid[tokens]``), inductor fuses that computation
+    into the experts' loops and vectorises them across the scale groups instead of along the
+    bytes: 8x slower (43 against 5.5 ms for 8 rows of the tiny model's 64 experts)."""
+    return ids.clone()
+
+
+@expert_ids.register_fake
+def _(ids: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(ids)
+
+
+def _matvec(w: Packed, x: torch.Tensor) -> torch.Tensor:
+    """Gathered MXFP4 ``[B, N, K]`` (``w.data`` ``[B, N, K/2]`` int8, ``w.scale`` ``[B, N, K/32]``),
+    x ``[B, K]`` fp32 -> ``[B, N]`` fp32: row b of x times expert b.
+
+    The low nibbles (even columns) and high nibbles (odd columns) are decoded and multiplied with
+    the even / odd halves of x separately and each group's power-of-two scale multiplies its two
+    partial sums: the same fp32 products as ``dequant(w) @ x`` (a power of two commutes with the
+    rounding), summed in another order, and no interleaved store, which inductor's vectoriser
+    handles badly (about 2x slower at 18 and 144 gathered experts, ``bench.bench_cpu_kernels``)."""
+    B, N, half = w.data.shape
+    codes = w.data.to(torch.int32)
+    scale = e8m0_to_float(w.scale)                                          # [B, N, K/32]
+    even, odd = (x[:, c::2].contiguous()[:, None] for c in (0, 1))          # [B, 1, K/2]
+    groups = (B, N, half // (MXFP4_GROUP // 2), MXFP4_GROUP // 2)
+    lo = (_e2m1_arith(codes & 15) * even).view(groups).sum(-1)
+    hi = (_e2m1_arith((codes >> 4) & 15) * odd).view(groups).sum(-1)
+    return (lo * scale + hi * scale).sum(-1)
+
+
+moe_experts.why = moe_why
+
+
 def prepare(model) -> None:
     """Ready a loaded model (``engine.model.Transformer``) for these kernels: e8m0 scales as bytes
     (``e8m0_as_bytes``) and the LM head compiled (``CompiledHead.warm``)."""
@@ -161,5 +238,5 @@ def e8m0_as_bytes(model: torch.nn.Module) -> int:
 def cpu_ops(base, kernel_config: dict[str, str]):
     """``base`` (the reference table) with the compiled CPU kernels, except the ops that
     ``kernel_config`` pins to ``native``."""
-    kernels = {"lm_head": CompiledHead(), "quant_linear": quant_linear}
+    kernels = {"lm_head": CompiledHead(), "quant_linear": quant_linear, "moe_experts": moe_experts}
     return base.with_overrides(**{k: f for k, f in kernels.items() if kernel_config.get(k) != "native"})

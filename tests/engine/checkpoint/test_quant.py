@@ -91,7 +91,7 @@ def test_the_fp4_lut_is_copied_to_a_device_once():
     host-to-device copies: the LUT is copied once per device and reused (meta stands in here)."""
     from engine.checkpoint import fp8_mxfp4
     meta = torch.device("meta")
-    assert fp8_mxfp4._byte_lut(meta) is fp8_mxfp4._byte_lut(meta)
+    assert fp8_mxfp4.byte_lut(meta) is fp8_mxfp4.byte_lut(meta)
     out = fp8_mxfp4.unpack_fp4(torch.empty(3, 16, dtype=torch.int8, device=meta))
     assert out.shape == (3, 32) and out.device == meta
 

@@ -1,14 +1,16 @@
 """The inductor-generated CPU kernels of graph mode (``engine.ops.cpu``): the LM head's values against
 the reference op and fp64, a row's bits whatever the number of rows (batch invariance), the cases
 that keep the reference, and which table each run config gets; the compiled step's fused FP8
-linear, its e4m3 decode and the e8m0 scales held as bytes."""
+linear, its e4m3 decode and the e8m0 scales held as bytes, the fused routed experts and their
+e2m1 decode."""
 import logging
 
 import pytest
 import torch
 
 import engine.ops.cpu as cpu
-from engine.checkpoint.fp8_mxfp4 import e4m3_to_float, quant_fp8_block
+from engine.checkpoint.fp8_mxfp4 import e4m3_to_float, quant_fp8_block, quant_mxfp4, unpack_fp4
+from engine.core.static_decode import moe_experts_gathered
 from engine.ops import REFERENCE, ops_for, reference
 from engine.ops.packed import Packed, dequant
 
@@ -100,8 +102,9 @@ def test_a_failed_compile_or_probe_keeps_the_reference(monkeypatch, caplog):
 def test_graph_mode_on_cpu_gets_the_kernel_and_native_pins_the_reference():
     assert ops_for("cpu") is REFERENCE
     assert isinstance(ops_for("cpu", compiled=True).lm_head, cpu.CompiledHead)
-    pinned = ops_for("cpu", {"lm_head": "native"}, compiled=True)
-    assert pinned.lm_head is reference.lm_head
+    assert ops_for("cpu", compiled=True).moe_experts is cpu.moe_experts
+    pinned = ops_for("cpu", {"lm_head": "native", "moe_experts": "native"}, compiled=True)
+    assert pinned.lm_head is reference.lm_head and pinned.moe_experts is reference.moe_experts
     with pytest.raises(ValueError, match="kernel_config"):
         ops_for("cpu", {"lm_head": "fast"}, compiled=True)
 
@@ -161,3 +164,55 @@ def test_e8m0_scales_held_as_bytes_keep_their_values():
     assert cpu.e8m0_as_bytes(lin) == 1 and lin.scale.dtype == torch.uint8
     assert torch.equal(dequant(Packed(lin.weight, lin.scale, "fp8"), torch.float32), before)
     assert cpu.e8m0_as_bytes(lin) == 0
+
+
+def test_e2m1_fields_decode_bit_for_bit_compiled():
+    """Inside a compiled graph an MXFP4 byte is decoded from its fields: both nibbles of all 256
+    bytes equal the lookup table's values bit for bit (-0 included)."""
+    packed = torch.arange(256, dtype=torch.uint8).view(torch.int8)[None]
+    want = unpack_fp4(packed)
+    got = torch.compile(unpack_fp4, fullgraph=True)(packed)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def _experts(E, N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    qs = [quant_mxfp4(torch.randn(N, K, generator=g) * 0.05) for _ in range(E)]
+    return Packed(torch.stack([q for q, _ in qs]), torch.stack([s for _, s in qs]), "fp4")
+
+
+@pytest.mark.parametrize("B", [1, 5])
+def test_fused_experts_in_a_compiled_step_equal_the_gathered_reference(B):
+    """The compiled step's routed experts (each gathered MXFP4 expert's bytes decoded in registers,
+    every slot of every row in one reduction) against the graph step's reference: the same fp32
+    products in another order, with e8m0 scales as float8 or as bytes."""
+    E, I, k = 8, 64, 3
+    w1, w3, w2 = _experts(E, I, H, 3), _experts(E, I, H, 4), _experts(E, H, I, 5)
+    g = torch.Generator().manual_seed(6)
+    x, ids, wt = _x(B), torch.randint(0, E, (B, k), generator=g), torch.rand(B, k, generator=g)
+    ref = moe_experts_gathered(x, ids, wt, w1, w3, w2, 10.0)
+    step = torch.compile(cpu.moe_experts, fullgraph=True, dynamic=False)
+    as_bytes = [Packed(w.data, w.scale.view(torch.uint8), "fp4") for w in (w1, w3, w2)]
+    for ws in ((w1, w3, w2), as_bytes):
+        got = step(x, ids, wt, *ws, 10.0)
+        assert got.shape == (B, H) and got.dtype == torch.float32
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # ids computed inside the graph, as a hash layer's tid2eid[tokens] (cpu.expert_ids)
+    table, tokens = torch.cat([ids, ids.flip(0)]), torch.arange(B)
+    hashed = torch.compile(lambda x, t: cpu.moe_experts(x, table[t], wt, w1, w3, w2, 10.0), fullgraph=True)
+    assert (hashed(x, tokens) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_fused_experts_keep_the_reference_outside_their_case():
+    E, I = 4, 64
+    w1, w3, w2 = _experts(E, I, H, 3), _experts(E, I, H, 4), _experts(E, H, I, 5)
+    x, ids, wt = _x(2), torch.tensor([[0, 3], [2, 0]]), torch.rand(2, 2)
+    assert cpu.moe_why(x, ids, w1, w3, w2, None).startswith("eager")      # prefill: not compiling
+    assert torch.equal(cpu.moe_experts(x, ids, wt, w1, w3, w2, 10.0),
+                       reference.moe_experts(x, ids, wt, w1, w3, w2, 10.0))
+    dense = [dequant(w, torch.float32) for w in (w1, w3, w2)]
+    reasons = torch.compile(lambda x: [cpu.moe_why(x, ids, w1, w3, w2, None), cpu.moe_why(x, ids, w1, w3, w2, "int8"),
+                                       cpu.moe_why(x, ids, *dense, None)], fullgraph=False)
+    fused, act, stored = reasons(x)
+    assert fused is None and "int8" in act and "MXFP4" in stored
+    assert cpu.moe_experts.why is cpu.moe_why
