@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.build import build_engine, check_platform_version, exec_config
+from engine.checkpoint import fp8_mxfp4
 from engine.checkpoint.loader import load_model
 from engine.config import ConfigError
 from engine.platform import soc_platform
@@ -156,6 +157,14 @@ def test_buckets_and_bucket_choice(model):
     assert batch_buckets(8, "cpu", (1,)) == [1, 8] and batch_buckets(8, "npu", (1, 4, 16)) == [1, 4, 8]
     eng = _engine(model, batch_size=4, runner_cfg=ExecConfig(exe_mode="ge_graph", batch_sizes=(1, 2)))
     assert eng.runner.buckets == [1, 2, 4] and eng.runner.bucket(1) == 1 and eng.runner.bucket(3) == 4
+
+
+def test_the_fp4_table_is_on_the_device_before_any_trace(model):
+    """A copy made while dynamo traces leaves a guard that fails once it exists: the step would
+    compile again at its first request (fp8_mxfp4.byte_lut)."""
+    fp8_mxfp4._BYTE_LUTS.clear()
+    _engine(model, runner_cfg=ExecConfig(exe_mode="ge_graph"))
+    assert {(torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.bfloat16)} <= set(fp8_mxfp4._BYTE_LUTS)
 
 
 def _cfg(tiny, exe_mode="eager", **custom):
