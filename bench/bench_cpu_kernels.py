@@ -49,7 +49,7 @@ def _ms(fn, *args, reps: int = 20) -> float:
     return 1e3 * statistics.median(ts)
 
 
-def ops_rows(ckpt: Path, hw: dict, fp8_shapes=FP8_SHAPES) -> list[dict]:
+def ops_rows(ckpt: Path, hw: dict, fp8_shapes=FP8_SHAPES, moe_shapes=MOE_SHAPES) -> list[dict]:
     """The ops table's rows: ``{op, rows, reference, compiled_reference, kernel, limit}`` in ms."""
     from safetensors import safe_open
 
@@ -81,7 +81,7 @@ def ops_rows(ckpt: Path, hw: dict, fp8_shapes=FP8_SHAPES) -> list[dict]:
             rows.append(dict(op=f"fp8 linear [{N}, {K}]", rows=M, reference=_ms(reference.quant_linear, x, w, None),
                              compiled_reference=_ms(step_ref, x, w, None), kernel=_ms(step_fused, x, w, None),
                              limit=1e3 * (q.numel() + s.numel()) / gbs))
-    rows += moe_rows(gbs)
+    rows += moe_rows(gbs, moe_shapes)
     return rows
 
 
@@ -106,7 +106,8 @@ def moe_rows(gbs: float, shapes=MOE_SHAPES, k: int = 6) -> list[dict]:
         for B in batches:
             x, ids, wt = torch.randn(B, H), torch.randint(0, E, (B, k)), torch.rand(B, k)
             reps = 20 if I * H <= 1 << 20 else 3
-            stored = B * k * sum(p.data[0].numel() + p.scale[0].numel() for p in w)
+            used = B * k                     # gathered experts: repeats are read again
+            stored = used * sum(p.data[0].numel() + p.scale[0].numel() for p in w)
             rows.append(dict(op=f"moe experts fp4 E={E} [{I}, {H}] k={k}", rows=B,
                              reference=_ms(reference.moe_experts, x, ids, wt, *w, 10.0, reps=reps),
                              compiled_reference=_ms(gathered, x, ids, wt, *w, 10.0, reps=reps),

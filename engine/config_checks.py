@@ -107,6 +107,7 @@ def coerce(path: str, value: Any, hint: Any, section: Callable[[type, Any, str],
     elif typing.get_origin(hint) is list:                   # list[int]
         if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise ConfigError(f"{path}: must be a list of integers, got {show(value)}")
+        return list(value)                                  # not the caller's list
     else:  # pragma: no cover - a field type this module does not know
         raise TypeError(f"{path}: unsupported field type {hint!r}")
     return value

@@ -103,8 +103,8 @@ class ModelConfig:
     # config.json (or a directory holding one) the memory plan reads while model_path has none (a
     # placeholder): configs/models/deepseek-v4-flash | deepseek-v4-pro, the real published ones
     plan_config: str = ""
-    # batch buckets of the graph decode step (vLLM's cudagraph_capture_sizes); the rank's batch
-    # size is always one. None: 1, 2, 4, .. on a device; on CPU the batch size alone
+    # batch buckets of the graph decode step, in sequences per rank (vLLM's cudagraph_capture_sizes
+    # counts tokens); the rank's batch size is always one. None: 1, 2, 4, .. on a device, on CPU it alone
     graph_batch_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:

@@ -119,13 +119,13 @@ def unpack_fp4(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     e2m1 value is exact in both); low nibble = even column."""
     if packed.device.type == "cpu" and torch.compiler.is_compiling():   # inductor: a gather is scalar loads
         u = packed.view(torch.uint8).to(torch.int32)
-        return torch.stack([_e2m1_arith(u & 15), _e2m1_arith(u >> 4)], dim=-1).flatten(-2).to(dtype)
+        return torch.stack([e2m1_arith(u & 15), e2m1_arith(u >> 4)], dim=-1).flatten(-2).to(dtype)
     u8 = packed.contiguous().view(torch.uint8)
     vals = byte_lut(packed.device, dtype).index_select(0, u8.reshape(-1).int())
     return vals.view(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def _e2m1_arith(c: torch.Tensor) -> torch.Tensor:
+def e2m1_arith(c: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (int32, 0..15) -> fp32 by arithmetic on the fields, bit-equal to ``FP4_LUT``
     (-0 included): exponent e > 0 is rebiased (1 -> 127) with the mantissa bit at the top of
     fp32's; e = 0 is ``m / 2``. Element-wise ops that inductor vectorises."""

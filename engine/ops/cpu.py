@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from engine.checkpoint.fp8_mxfp4 import MXFP4_GROUP, _e2m1_arith, e8m0_to_float
+from engine.checkpoint.fp8_mxfp4 import MXFP4_GROUP, e2m1_arith, e8m0_to_float
 from engine.ops import reference
 from engine.ops.packed import Packed, dequant
 
@@ -129,8 +129,8 @@ def fused_why(x: torch.Tensor, weight: Packed, act: str | None) -> str | None:
 
 def quant_linear(x: torch.Tensor, weight: Packed, act: str | None) -> torch.Tensor:
     """``reference.quant_linear``; inside the compiled decode step, for an FP8 block-scaled weight
-    and at most ``FUSED_ROWS`` fp32 rows (on CPU the step has one bucket, batch_size x span rows, so
-    an engine configured for at most 2), ``sum_k dequant(w)[n, k] * x[m, k]`` as one reduction:
+    and at most ``FUSED_ROWS`` fp32 rows (a CPU step's bucket x span rows: the batch size, or a
+    smaller ``graph_batch_sizes`` bucket), ``sum_k dequant(w)[n, k] * x[m, k]`` as one reduction:
     the e4m3 bytes are decoded and scaled in registers (``fp8_mxfp4.e4m3_to_float``'s arithmetic
     form), so only the stored bytes are read, where the reference writes and reads an fp32 tile.
     The same fp32 products, summed in another order. x ``[..., K]`` -> ``[..., N]`` fp32."""
@@ -206,8 +206,8 @@ def _matvec(w: Packed, x: torch.Tensor) -> torch.Tensor:
     scale = e8m0_to_float(w.scale)                                          # [B, N, K/32]
     even, odd = (x[:, c::2].contiguous()[:, None] for c in (0, 1))          # [B, 1, K/2]
     groups = (B, N, half // (MXFP4_GROUP // 2), MXFP4_GROUP // 2)
-    lo = (_e2m1_arith(codes & 15) * even).view(groups).sum(-1)
-    hi = (_e2m1_arith((codes >> 4) & 15) * odd).view(groups).sum(-1)
+    lo = (e2m1_arith(codes & 15) * even).view(groups).sum(-1)
+    hi = (e2m1_arith((codes >> 4) & 15) * odd).view(groups).sum(-1)
     return (lo * scale + hi * scale).sum(-1)
 
 
