@@ -27,8 +27,11 @@ def net(ckpt, tmp_path_factory):
     """``(pd, relays, url_b)``: gateway A (``pd.base_url``) behind relays to the prefills; gateway B at ``url_b``."""
     log = tmp_path_factory.mktemp("net") / "pd.log"
     flags = ["--worker-timeout-s", "2", "--cpu-threads", "1"]
-    pd = LocalPD(CONFIG, ckpt, num_prefill=2, num_decode=2, log_path=str(log),
-                 extra_args={r: list(flags) for r in ("prefill", "decode", "gateway")})
+    extra = {r: list(flags) for r in ("prefill", "decode", "gateway")}
+    # a prefill answers the ping that makes it healthy again between engine steps; on a loaded 2-core
+    # CI machine one step of the blip test's 1,500-token prompts can outlast the default 5 s grace
+    extra["gateway"] += ["--reconnect-grace-s", "60"]
+    pd = LocalPD(CONFIG, ckpt, num_prefill=2, num_decode=2, log_path=str(log), extra_args=extra)
     relays = [Relay(f"tcp://127.0.0.1:{_arg(pd.cmds[f'prefill{i}'], '--port')}", f"tcp://127.0.0.1:{free_port()}")
               for i in range(2)]
     gw = pd.cmds["gateway"]
