@@ -94,25 +94,39 @@ def _bandwidth_times(n_el: int, per: float) -> tuple[float, float, float]:
     return t_sum, t_dot, t_copy
 
 
+def _gemm_gflops(dtype: torch.dtype, n_max: int, budget_s: float) -> tuple[float, int]:
+    """``(GFLOP/s, n)`` of the best n x n x n matmul in ``dtype``, n doubling from 256 to ``n_max``
+    while the next size's warm-up and two timed calls (8x the work each) fit in ``budget_s``: a dtype
+    without a fast CPU kernel (bf16 on a CPU without AVX-512 BF16: ~0.3 GFLOP/s, a minute per 2048^3
+    call) is measured on a smaller matrix instead of taking minutes."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t = _best_time(lambda: torch.mm(a, b), 6, budget_s / 3)
+        if n >= n_max or 3 * 8 * t > budget_s:
+            return 2 * n ** 3 / t / GB, n
+        n *= 2
+
+
 def probe_hardware(seconds: float = 2.0, buffer_mib: int = 512, gemm_n: int = 2048) -> dict:
     """Measure this machine with torch's current thread count (about ``seconds`` in all).
 
     * ``read_gbs``: best of ``torch.sum`` and ``torch.dot`` over a ``buffer_mib`` fp32 tensor
       (512 MiB by default, far beyond any cache), bytes read / best time;
     * ``copy_gbs``: ``dst.copy_(src)`` of the same size, (read + write bytes) / best time;
-    * ``gemm_gflops``: ``{"float32", "bfloat16"}`` -> 2 n^3 / best time of an n x n x n matmul.
+    * ``gemm_gflops``: ``{"float32", "bfloat16"}`` -> 2 n^3 / best time of an n x n x n matmul, n
+      up to ``gemm_n`` as the time allows (``gemm_sizes``: the n of each dtype).
 
-    Returns a dict of those plus ``threads``, ``buffer_mib``, ``gemm_n``, ``seconds`` (spent).
+    Returns a dict of those plus ``threads``, ``buffer_mib``, ``gemm_n``, ``gemm_sizes``,
+    ``seconds`` (spent).
     """
     t_start = time.perf_counter()
     per = seconds / 5
     nbytes = buffer_mib * MiB // 4 * 4
     t_sum, t_dot, t_copy = _bandwidth_times(nbytes // 4, per)
-    gemm = {}
+    gemm, sizes = {}, {}
     for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a = torch.randn(gemm_n, gemm_n).to(dt)
-        b = torch.randn(gemm_n, gemm_n).to(dt)
-        gemm[name] = 2 * gemm_n ** 3 / _best_time(lambda: torch.mm(a, b), 6, per) / GB
+        gemm[name], sizes[name] = _gemm_gflops(dt, gemm_n, 2 * per)
     return {
         "threads": torch.get_num_threads(),
         "read_gbs": nbytes / min(t_sum, t_dot) / GB,
@@ -123,6 +137,7 @@ def probe_hardware(seconds: float = 2.0, buffer_mib: int = 512, gemm_n: int = 20
         "gemm_gflops": gemm,
         "buffer_mib": buffer_mib,
         "gemm_n": gemm_n,
+        "gemm_sizes": sizes,
         "seconds": time.perf_counter() - t_start,
     }
 
