@@ -98,10 +98,10 @@ def test_a_gateway_prefill_blip_loses_no_request(net, reference):
 
 
 def test_two_gateways_share_the_workers(net, reference):
-    """64 concurrent streams, half through each gateway, on the same 2 prefill + 2 decode workers."""
+    """32 concurrent streams, half through each gateway, on the same 2 prefill + 2 decode workers."""
     pd, _, url_b = net
-    prompts = [rand_prompt(20 + 3 * i, 500 + i) for i in range(64)]
-    seeds = list(range(64))
+    prompts = [rand_prompt(20 + 3 * i, 500 + i) for i in range(32)]
+    seeds = list(range(32))
 
     async def run():
         return await asyncio.gather(*(_stream(pd.base_url if i % 2 else url_b, p, 3, s)
