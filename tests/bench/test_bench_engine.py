@@ -213,6 +213,25 @@ def test_attribute_folds_nested_labels():
     assert per["linear"][0] + per["lm_head"][0] + at["untabled_us"] <= at["total_us"]
 
 
+def test_gemm_probe_stops_doubling_at_its_budget(monkeypatch):
+    """Each dtype's GEMM doubles from 256 while the next size's three calls fit the budget: a
+    dtype without a fast CPU kernel is measured small instead of for minutes; never past gemm_n."""
+    times = {torch.float32: 1e-4, torch.bfloat16: 0.5}      # seconds per 256^3 call, x8 per doubling
+
+    def fake_best(dtype):
+        n = {"n": 256}
+
+        def best(fn, reps, budget):
+            t = times[dtype] * (n["n"] // 256) ** 3
+            n["n"] *= 2
+            return t
+        return best
+    for dtype, n_max, want in ((torch.float32, 1024, 1024), (torch.float32, 8192, 2048), (torch.bfloat16, 2048, 256)):
+        monkeypatch.setattr(R, "_best_time", fake_best(dtype))
+        gflops, n = R._gemm_gflops(dtype, n_max, 0.8)
+        assert n == want and gflops == pytest.approx(2 * n ** 3 / (times[dtype] * (n // 256) ** 3) / R.GB)
+
+
 def test_bad_flags_name_the_flag(capsys):
     for argv, flag in ((["--batch-sizes", "1,0"], "--batch-sizes"), (["--contexts", "x"], "--contexts"),
                        (["--decode-steps", "-1"], "--decode-steps"), (["--prefill-chunk", "0"], "--prefill-chunk"),
