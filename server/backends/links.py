@@ -6,10 +6,12 @@ One DEALER socket per instance (CURVE with a cluster secret), and three I/O task
   long engine step) and the socket monitor. A worker killed (connection closed) or stopped (no
   heartbeat answer within ``worker_timeout_s``) is *disconnected* at once (``on_lost``), and gets
   no new samples until it is connected again.
-- load and readiness: ``ping`` -> ``pong`` (the ``/ready`` body, answered between engine steps).
-  An instance that is not ready (starting, draining), or whose last ``health_timeout_s`` of pings
-  went unanswered, gets no new samples. A new ``instance_id`` in a pong means the process behind
-  the address restarted: legs on the old process are lost.
+- load and readiness: ``ping`` -> ``pong`` (the ``/ready`` body, answered between engine steps,
+  and during a long one by the worker's ``StepPings`` with ``step_s``, the step's age so far).
+  An instance that is not ready (starting, draining), whose last ``health_timeout_s`` of pings
+  went unanswered, or whose step has run longer than that, gets no new samples. A new
+  ``instance_id`` in a pong means the process behind the address restarted: legs on the old
+  process are lost.
 - every other message is handed to ``deliver(rid, op, msg)`` (``out`` batches split per sample).
 
 An abort that cannot be sent (the instance is disconnected: a blip) is kept and sent when the
@@ -171,8 +173,13 @@ class WorkerLinks:
                 log.warning("gateway: bad message from %s %s: %s", inst.role, inst.addr, e)
                 continue
             op = msg["op"]
-            inst.unanswered = 0                     # any message: its loop is alive (pings wait for a step)
+            inst.unanswered = 0                     # any message: its loop is alive
             if op == "pong":
+                step_s = msg.get("step_s")          # answered during a step that has run this long
+                if isinstance(step_s, (int, float)) and step_s > 0:
+                    # a step past health_timeout_s counts as that many unanswered pings: a hung
+                    # step still takes the instance out of routing
+                    inst.unanswered = min(int(step_s / self.health_interval_s), 1 << 30)
                 iid = msg.get("instance_id")
                 if inst.instance_id is not None and iid != inst.instance_id:
                     self.on_lost(inst, f"restarted (instance {inst.instance_id} -> {iid})")

@@ -10,37 +10,36 @@ path waits for a timer; the poll timeout is only the next deadline (a sample's, 
 at ``idle_poll_ms``).
 
 Liveness towards the gateway is ZMTP heartbeats (``messages.set_heartbeat``), answered by
-libzmq's I/O thread even during a long step. ``begin_drain`` (SIGTERM) turns ``/ready`` false
-and refuses new samples with 503; the loop ends once in-flight samples finish, or at
+libzmq's I/O thread even during a long step; load reports (``ping`` -> ``pong``) are answered
+between steps, and during a long one by ``StepPings``'s helper thread. ``begin_drain``
+(SIGTERM) turns ``/ready`` false and refuses new samples with 503; the loop ends once in-flight samples finish, or at
 ``drain_timeout_s`` after aborting the rest with an error. A sample's ``deadline_s`` is enforced
 here too (504), so a lost abort from the gateway cannot keep state forever.
 """
 from __future__ import annotations
 
 import heapq
-import hmac
 import logging
 import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import uvicorn
 import zmq
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
 
 from engine.core.llm_engine import LLMEngine
 from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
 from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
-from server.gateway.protocol import error_body
-from server.metrics import CONTENT_TYPE, WorkerMetrics
+from server.metrics import WorkerMetrics
+from server.workers.http import serve_http
 from server.workers.loop_calls import LoopCalls
-from server.workers.layout import quantization_label, state_fingerprint
+from server.workers.layout import state_fingerprint
 from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
+from server.workers.step_pings import StepPings
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +102,7 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
+        self.step_pings = StepPings(self.sock, self.load)
         self.iterations = 0              # loop iterations (tests: an idle loop does not spin)
         self.stop = threading.Event()
         self.ready = False
@@ -250,31 +250,38 @@ class Worker:
                 "fingerprint": self.fingerprint, "handshake": self.handshake, **self.extra_load()}
 
     def _drain_requests(self) -> None:
+        for parts in self.step_pings.take_kept():      # arrived during the last step: first, in order
+            self._handle_frames(parts)
         while True:
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(parts) != 2:
-                self._bad_request(f"a {len(parts) - 1}-frame message")
-                continue
-            identity, frame = parts
-            msg = None
-            try:
-                msg = unpack(frame)
-                if msg["op"] == "ping":
-                    self.reply(identity, self.load())
-                else:
-                    self.handle(identity, msg)
-            except Exception as e:       # MessageError; anything else is a bug, but must not end the loop
-                if not isinstance(e, MessageError) and time.monotonic() - self._last_bad_log >= 10:
-                    log.exception("%s: request %s failed", self.role, str(msg)[:200])
-                self._bad_request(f"{type(e).__name__}: {e}")
-                rid = msg.get("rid") if isinstance(msg, dict) else None
-                self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
-                                      "message": f"{e}"[:1000]})
+            self._handle_frames(parts)
 
-    def _update_gauges(self) -> None:
+    def _handle_frames(self, parts: list[bytes]) -> None:
+        """One ROUTER message ``[identity, body]``: a ping is answered, anything else handled;
+        a bad one gets a 400 error reply (the loop goes on)."""
+        if len(parts) != 2:
+            self._bad_request(f"a {len(parts) - 1}-frame message")
+            return
+        identity, frame = parts
+        msg = None
+        try:
+            msg = unpack(frame)
+            if msg["op"] == "ping":
+                self.reply(identity, self.load())
+            else:
+                self.handle(identity, msg)
+        except Exception as e:       # MessageError; anything else is a bug, but must not end the loop
+            if not isinstance(e, MessageError) and time.monotonic() - self._last_bad_log >= 10:
+                log.exception("%s: request %s failed", self.role, str(msg)[:200])
+            self._bad_request(f"{type(e).__name__}: {e}")
+            rid = msg.get("rid") if isinstance(msg, dict) else None
+            self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
+                                  "message": f"{e}"[:1000]})
+
+    def update_gauges(self) -> None:
         e, m = self.engine, self.metrics
         m.running.set(len(e.scheduler.running))
         m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + len(getattr(self, "queued", ())))
@@ -301,7 +308,7 @@ class Worker:
                 events = dict(self.poller.poll(0 if busy else self._idle_timeout_ms()))
                 if self._wake_r in events or self._wake_r.fileno() in events:
                     self._clear_wake()
-                if self.sock in events:
+                if self.sock in events or self.step_pings.pending():
                     self._drain_requests()
                 if self._deadlines:
                     self._expire()
@@ -317,13 +324,17 @@ class Worker:
                     return
                 stepped = self.engine.has_unfinished()
                 if stepped:
-                    outs = self.engine.step()
+                    self.step_pings.begin()
+                    try:
+                        outs = self.engine.step()
+                    finally:
+                        self.step_pings.end()
                     if self.rank_failure is not None:   # a rank was lost in the step: say nothing more
                         return
                     self.on_outputs(outs)
                 now = time.monotonic()
                 if now - last_gauges > 0.1:
-                    self._update_gauges()
+                    self.update_gauges()
                     last_gauges = now
                 if now - last_probe > 1.0:
                     for owner in self.gateway_connections():
@@ -333,73 +344,18 @@ class Worker:
             self.ready = False
 
     # ---- HTTP --------------------------------------------------------------------------------
-    def http_app(self) -> FastAPI:
-        secret = self.opts.cluster_secret
-
-        async def auth(request: Request) -> None:
-            if secret is not None:
-                scheme, _, given = request.headers.get("authorization", "").partition(" ")
-                if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), secret.encode())):
-                    raise HTTPException(401, "missing or wrong cluster secret (Authorization: Bearer ...)")
-
-        app = FastAPI(title=f"dsv4-pd {self.role} worker", docs_url=None, redoc_url=None, openapi_url=None,
-                      dependencies=[Depends(auth)])
-
-        @app.exception_handler(HTTPException)
-        async def _http_error(_: Request, e: HTTPException):
-            return JSONResponse(error_body(str(e.detail), e.status_code), status_code=e.status_code)
-
-        @app.get("/health")
-        def health():
-            r, q, spec = self.engine.runner, self.engine.model.args.quant, self.engine.spec
-            return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
-                    "device": str(self.engine.model.embed.weight.device),
-                    "quantization": quantization_label(q),
-                    "cache_dtype": self.engine.cache.cache_dtype.describe(),
-                    # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
-                    "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
-                    "prefix_cache": None if (pc := self.prefix_cache) is None else
-                    {"entries": len(pc.entries), "queries": pc.queries, "hits": pc.hits, "evictions": pc.evictions},
-                    "exe_mode": r.cfg.exe_mode if r is not None else "eager",
-                    "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
-                                                     "warmup_s": round(r.warmup_s, 3)},
-                    "parallel": self.parallel_info() if self.parallel_info else {"world_size": 1}}
-
-        @app.get("/ready")
-        def ready():
-            body = {k: v for k, v in self.load().items() if k != "op"}
-            return JSONResponse(body, status_code=200 if self.ready else 503)
-
-        @app.post("/reset_prefix_cache")
-        def reset_prefix_cache():
-            """vLLM's endpoint: evict every prefix-cache entry (blocks running requests hold stay)."""
-            if self.prefix_cache is None:
-                raise HTTPException(400, "prefix caching is off (scheduler_config.enable_prefix_caching)")
-            return {"evicted": self.calls.call(self.engine.executor.reset_prefix_cache)}
-
-        @app.get("/metrics")
-        def metrics():
-            self._update_gauges()
-            return Response(self.metrics.render(), media_type=CONTENT_TYPE)
-
-        return app
-
     def start_http(self) -> None:
-        if not self.opts.http_port:
-            return
-        sock = socket.socket(socket.AF_INET6 if ":" in self.opts.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.opts.host, self.opts.http_port))     # raises OSError now, not in the thread
-        sock.listen(128)        # connections queue from now on, not only once the thread's server runs
-        cfg = uvicorn.Config(self.http_app(), log_level="warning", access_log=False)
-        self._http = uvicorn.Server(cfg)
-        threading.Thread(target=self._http.run, kwargs={"sockets": [sock]}, name="http", daemon=True).start()
+        """Serve /health /ready /metrics on ``opts.http_port`` (0: none) from a daemon thread.
+        Raises OSError now if the port cannot be bound."""
+        if self.opts.http_port:
+            self._http = serve_http(self)
 
     def close(self) -> None:
         self.stop.set()
         self.wake()
         if self._http is not None:
             self._http.should_exit = True
+        self.step_pings.close()
         self.sock.close(linger=1000)
         stop_authenticator(self.ctx)
         self.ctx.term()                  # waits (<= linger) until the last replies are sent
