@@ -73,6 +73,23 @@ def show(v: Any) -> str:
     return f"{v!r} ({type_name(v)})"
 
 
+def unknown_key_hint(key: Any, known: Any, homes: Mapping[str, type], section: str | None = None,
+                     top_level: bool = False) -> str:
+    """' (did you mean ...?)' for an unknown key: the same key in another of ``homes`` (section path
+    -> its dataclass) when ``section`` is one of them or the key is top-level, else a close name
+    among ``known``, else the known names."""
+    if not isinstance(key, str):
+        return f" (keys must be strings, got {type_name(key)})"
+    if top_level or section in homes:   # a key put in the wrong section
+        found = [s for s, cls in homes.items() if s != section and key in field_hints(cls)]
+        if found:
+            return f" (did you mean {found[0]}.{key}?)"
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f"; known: {', '.join(sorted(known))}"
+
+
 def coerce(path: str, value: Any, hint: Any, section: Callable[[type, Any, str], Any]) -> Any:
     """``value`` of the field at key ``path`` checked against its annotation ``hint`` and normalised
     (int -> float; a mapping -> its section dataclass, built by ``section(cls, raw, path)``).

@@ -17,7 +17,6 @@ upstream silently repairs a combination (cache-compile in eager) we refuse it in
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,8 +28,8 @@ import yaml
 from engine.cache_dtype import SETTINGS as CACHE_SETTINGS, CacheDtype, resolve as resolve_cache_dtype
 from engine.config import ConfigError, ModelArgs, read_text_file
 from engine.checkpoint.qscheme import QUANT_TYPES
-from engine.config_checks import (check_dsv4_settings, check_model_args, choice, coerce, fail, field_hints, in_range,
-                                  positive, type_name)
+from engine.config_checks import (check_dsv4_settings, check_model_args, choice, coerce, fail, field_hints,
+                                  in_range, positive, type_name, unknown_key_hint)
 from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
@@ -396,16 +395,4 @@ def _check_fields(obj: Any) -> None:
 
 
 def _suggest(key: Any, known: Any, section: str | None = None, top_level: bool = False) -> str:
-    """' (did you mean ...?)' for an unknown key: the same key in another section, else a close name."""
-    if not isinstance(key, str):
-        return f" (keys must be strings, got {type_name(key)})"
-    if top_level or section in _SECTIONS:   # a key put in the wrong section
-        homes = [s for s, cls in _SECTIONS.items() if s != section and key in field_hints(cls)]
-        if key in field_hints(CustomParams):
-            homes.append(CustomParams._PATH)
-        if homes:
-            return f" (did you mean {homes[0]}.{key}?)"
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
-    if close:
-        return f" (did you mean {close[0]!r}?)"
-    return f"; known: {', '.join(sorted(known))}"
+    return unknown_key_hint(key, known, {**_SECTIONS, CustomParams._PATH: CustomParams}, section, top_level)

@@ -75,7 +75,8 @@ def handshake_fields(kind: str, fingerprint: str, layout: dict | None = None, de
         from kvtransfer.transports.plane import SenderPlane
         return {"transport": SenderPlane.transport, "fingerprint": fingerprint, "layout": layout}
     if kind == "dist":
-        from kvtransfer.transports.dist import DistSenderPlane, backend_for
+        from kvtransfer.transports.dist import DistSenderPlane
+        from kvtransfer.transports.dist_groups import backend_for
         return {"transport": DistSenderPlane.transport, "fingerprint": fingerprint, "layout": layout,
                 "backend": backend_for(device or "cpu")}
     raise ValueError(f"transport kind must be one of {KINDS}, found {kind!r}")

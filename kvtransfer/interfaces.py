@@ -202,6 +202,17 @@ def valid_id(v, n: int = MAX_ID) -> bool:
     return isinstance(v, str) and 0 < len(v) <= n
 
 
+def hello_refusal(hello: dict, mine: dict) -> str | None:
+    """Why decode refuses a sender's ``hello`` (protocol version, malformed fields, then
+    ``handshake_mismatch`` against ``mine``, decode's handshake fields), or None to welcome it."""
+    if hello.get("v") != PROTOCOL_VERSION:
+        return f"protocol version differs: prefill speaks {hello.get('v')!r}, decode speaks {PROTOCOL_VERSION}"
+    if not (valid_id(hello.get("sender_id")) and valid_id(hello.get("nonce"), 64)
+            and isinstance(hello.get("fingerprint"), str) and isinstance(hello.get("layout"), dict)):
+        return "malformed hello (sender_id, nonce, fingerprint, layout)"
+    return handshake_mismatch(mine, hello, me="decode", them="prefill")
+
+
 def frame_nbytes(f) -> int:
     """Byte size of a frame (bytes, memoryview, zmq.Frame or torch.Tensor)."""
     if hasattr(f, "untyped_storage"):   # torch.Tensor (dist transport accepts device tensors)

@@ -32,114 +32,23 @@ that host on a private cluster network (or use zmq-tcp, fully covered by the sec
 from __future__ import annotations
 
 import datetime
-import importlib
 import queue
 import socket
 import threading
 import time
 import uuid
-import warnings
 from itertools import count
 
 import torch
 import torch.distributed as dist
 
 from kvtransfer.interfaces import PROTOCOL_VERSION, REJECT_OP, TAG_MSG, Delivered, TransportError, check_message
+from kvtransfer.transports.dist_groups import (as_u8, backend_for, local_ip_towards, make_pair_group, tcp_host,
+                                               transfer_plan, wait_all)
 from kvtransfer.transports.plane import Connection, Peer, ReceiverPlane, SenderPlane
 from kvtransfer.transports.zmq_receiver import ZmqStateReceiver
 from kvtransfer.transports.zmq_sender import ZmqStateSender
 from kvtransfer.wire import TransferError
-
-
-def backend_for(device: str | torch.device) -> str:
-    """'cpu' -> 'gloo', 'cuda' -> 'nccl', 'npu' -> 'hccl'. Raises ValueError for other devices."""
-    kind = torch.device(device).type
-    try:
-        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[kind]
-    except KeyError:
-        raise ValueError(f"dist transport: no backend for device {device!r} (cpu, cuda, npu)") from None
-
-
-def make_pair_group(backend: str, store, rank: int, timeout_s: float, host: str | None = None):
-    """A 2-rank process group on ``store`` (a PrefixStore unique to the pair); blocks until both join.
-
-    ``host``: the local address gloo listens on (default: gloo's choice from the hostname).
-    Raises RuntimeError (from c10d) on rendezvous timeout.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        G = dist.ProcessGroupGloo
-        opts = G._Options()
-        opts._devices = [G.create_device(hostname=host) if host else G.create_default_device()]
-        opts._timeout = timeout
-        return G(store, rank, 2, opts)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        opts.is_high_priority_stream = False
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    if backend == "hccl":
-        importlib.import_module("torch_npu")   # registers torch.distributed.ProcessGroupHCCL
-        if hasattr(dist, "ProcessGroupHCCL"):   # documented: ProcessGroupHCCL(store, rank, size, timeout)
-            return dist.ProcessGroupHCCL(store, rank, 2, timeout)
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
-        opts = ProcessGroupHCCL.Options()
-        opts._timeout = timeout
-        return ProcessGroupHCCL(store, rank, 2, opts)
-    raise ValueError(f"unknown backend {backend!r}")
-
-
-def transfer_plan(sizes: list[int], coalesce_bytes: int) -> list[list[int]]:
-    """Frame indices per group op: one packed op for all frames in (0, coalesce_bytes), first,
-    then one op per larger frame. Empty frames are in no op. Both sides compute the same plan."""
-    small = [i for i, n in enumerate(sizes) if 0 < n < coalesce_bytes]
-    return ([small] if small else []) + [[i] for i, n in enumerate(sizes) if n >= coalesce_bytes and n > 0]
-
-
-def _as_u8(frame, device: torch.device) -> torch.Tensor:
-    """A flat uint8 tensor over the frame's bytes (zero-copy for CPU buffers), moved to ``device``."""
-    if isinstance(frame, torch.Tensor):
-        t = frame.detach().contiguous().reshape(-1).view(torch.uint8)
-    else:
-        mv = memoryview(frame)
-        if mv.format != "B" or mv.ndim != 1:
-            mv = mv.cast("B")
-        with warnings.catch_warnings():   # read-only buffers: we only read them
-            warnings.simplefilter("ignore")
-            t = torch.frombuffer(mv, dtype=torch.uint8)
-    return t if t.device == device else t.to(device)
-
-
-def _wait_all(works: list) -> None:
-    """Wait for c10d works in order. Raises RuntimeError from the backend (peer gone, op timeout).
-
-    Blocking: gloo send/recv works have no future and ``is_completed`` only turns true inside
-    ``wait``; neither ``abort`` nor ``shutdown`` interrupts a pending wait. A wait ends when the
-    data arrives, the peer closes its group, or ``op_timeout_s`` passes.
-    """
-    for w in works:
-        w.wait()
-
-
-def _local_ip_towards(host: str) -> str:
-    """The local address that routes to ``host`` (no packet is sent)."""
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1" if host != "::1" else "::1"
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
-
-
-def _tcp_host(zdest: str) -> str:
-    if zdest.startswith("tcp://"):
-        hostport = zdest[6:]
-        host = hostport.rsplit(":", 1)[0]
-        return host.strip("[]")
-    return "127.0.0.1"   # ipc control: same machine
 
 
 class _TxPair:
@@ -182,13 +91,13 @@ class DistSenderPlane(SenderPlane):
         if not (isinstance(w.get("store_port"), int) and isinstance(w.get("prefix"), str)
                 and w.get("rank") in (0, 1) and isinstance(w.get("coalesce_bytes"), int)):
             raise TransportError(f"handshake with {conn.dest}: welcome lacks the dist rendezvous fields")
-        host = w.get("store_host") or _tcp_host(conn.zdest)
+        host = w.get("store_host") or tcp_host(conn.zdest)
         left = max(0.5, deadline - time.monotonic())
         try:
             store = dist.TCPStore(host, w["store_port"], None, False, datetime.timedelta(seconds=left),
                                   wait_for_workers=False)
             pg = make_pair_group(self.backend, dist.PrefixStore(w["prefix"], store), w["rank"], self.op_timeout_s,
-                                 self.local_host or _local_ip_towards(host))
+                                 self.local_host or local_ip_towards(host))
         except Exception as e:
             raise TransportError(f"dist rendezvous with {conn.dest} (store {host}:{w['store_port']}) failed: "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -206,7 +115,7 @@ class DistSenderPlane(SenderPlane):
         pair: _TxPair = conn.state
         conn.sock.send_multipart([TAG_MSG, frames[0]])
         try:
-            _wait_all([pair.pg.send([t], pair.peer_rank, tag) for tag, t in enumerate(bufs)])
+            wait_all([pair.pg.send([t], pair.peer_rank, tag) for tag, t in enumerate(bufs)])
         except RuntimeError as e:
             raise TransportError(f"dist send to {conn.dest} failed (decode peer gone?): "
                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -214,7 +123,7 @@ class DistSenderPlane(SenderPlane):
     def _op_buffer(self, frames: list, op: list[int], sizes: list[int]) -> torch.Tensor:
         """The uint8 tensor one group op sends: the frame itself (zero-copy) or small frames packed."""
         if len(op) == 1:
-            return _as_u8(frames[1 + op[0]], self.device)
+            return as_u8(frames[1 + op[0]], self.device)
         if self.device.type == "cpu" and not any(isinstance(frames[1 + i], torch.Tensor) for i in op):
             packed, off = bytearray(sum(sizes[i] for i in op)), 0   # plain memcpy, no intra-op threads
             for i in op:
@@ -224,7 +133,7 @@ class DistSenderPlane(SenderPlane):
         t = torch.empty(sum(sizes[i] for i in op), dtype=torch.uint8, device=self.device)
         off = 0
         for i in op:
-            t[off:off + sizes[i]].copy_(_as_u8(frames[1 + i], self.device))
+            t[off:off + sizes[i]].copy_(as_u8(frames[1 + i], self.device))
             off += sizes[i]
         return t
 
@@ -386,7 +295,7 @@ class DistReceiverPlane(ReceiverPlane):
         plan = transfer_plan(sizes, self.coalesce_bytes)
         bufs = [torch.empty(sum(sizes[i] for i in op), dtype=torch.uint8, device=self.device) for op in plan]
         works = [pg.recv([b], 0, tag) for tag, b in enumerate(bufs)]
-        _wait_all(works)
+        wait_all(works)
         frames: list = [b""] * len(sizes)
         to_host = self.deliver_to == "cpu" or self.device.type == "cpu"
         for op, b in zip(plan, bufs):

@@ -15,11 +15,12 @@ import uuid
 import zmq
 
 from kvtransfer.interfaces import (PROTOCOL_VERSION, REJECT_OP, TAG_CTL, TAG_MSG, TAG_REP, Delivered, StateReceiver,
-                                   TransportError, default_ipc_path, handshake_mismatch, limits_from, normalize_layout,
-                                   pack_control, tcp_endpoint, transfer_id_of, unpack_control, valid_id)
-from kvtransfer.secure import RateLimitedLog, cluster_keys, secure_server, stop_authenticator
+                                   TransportError, hello_refusal, limits_from, normalize_layout, pack_control,
+                                   transfer_id_of, unpack_control, valid_id)
+from kvtransfer.secure import RateLimitedLog, cluster_keys, stop_authenticator
 from kvtransfer.transports.outbox import Outbox
 from kvtransfer.transports.plane import Peer, ReceiverPlane
+from kvtransfer.transports.zmq_bind import bind_receiver
 from kvtransfer.wire import TransferError
 
 log = logging.getLogger(__name__)
@@ -78,30 +79,11 @@ class ZmqStateReceiver(StateReceiver):
         self._last_prune = float("-inf")
 
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
         try:
-            secure_server(sock, keys)   # before bind; starts the context's ZAP handler
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # senders set their own routing id: when libzmq reconnects one (a reset connection)
-            # the new connection takes that id over even if the dead one is not yet torn down here
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            sock.setsockopt(zmq.MAXMSGSIZE, max(self.limits.max_message_bytes, self.limits.max_control_bytes))
-            sock.setsockopt(zmq.LINGER, linger_ms)
-            if kind == "zmq-ipc":
-                self._ipc_path = ipc_path or default_ipc_path(port)
-                sock.bind(f"ipc://{self._ipc_path}")
-                zaddr = f"ipc://{self._ipc_path}"
-            else:
-                self._ipc_path = None
-                if ":" in host:
-                    sock.setsockopt(zmq.IPV6, 1)
-                sock.bind(tcp_endpoint(host, port))
-                bound = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-                self.port = int(bound.rsplit(":", 1)[1])
-                adv = advertise_host or host
-                zaddr = f"{tcp_endpoint(adv, self.port)}"
+            sock, zaddr, self._ipc_path, self.port = bind_receiver(
+                self._ctx, kind, host, port, ipc_path, advertise_host, keys, linger_ms,
+                max(self.limits.max_message_bytes, self.limits.max_control_bytes))
         except BaseException:
-            sock.close(linger=0)
             stop_authenticator(self._ctx)
             self._ctx.term()
             raise
@@ -365,13 +347,7 @@ class ZmqStateReceiver(StateReceiver):
             self._dropped("dropped_malformed", "bad-control", "control frame that is not a msgpack hello / bye")
             return
         nonce = msg.get("nonce")
-        if msg.get("v") != PROTOCOL_VERSION:
-            return self._refuse(rid, nonce, f"protocol version differs: prefill speaks {msg.get('v')!r}, "
-                                            f"decode speaks {PROTOCOL_VERSION}")
-        if not (valid_id(msg.get("sender_id")) and valid_id(nonce, 64) and isinstance(msg.get("fingerprint"), str)
-                and isinstance(msg.get("layout"), dict)):
-            return self._refuse(rid, nonce, "malformed hello (sender_id, nonce, fingerprint, layout)")
-        reason = handshake_mismatch(self._mine(), msg, me="decode", them="prefill")
+        reason = hello_refusal(msg, self._mine())
         if reason:
             return self._refuse(rid, nonce, reason)
         sender_id = msg["sender_id"]

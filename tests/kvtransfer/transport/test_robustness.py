@@ -16,7 +16,7 @@ import zmq
 
 from kvtransfer import make_sender
 from kvtransfer.interfaces import REJECT_OP, TAG_CTL, TAG_MSG, TransportError
-from kvtransfer.transports.dist import transfer_plan
+from kvtransfer.transports.dist_groups import transfer_plan
 from kvtransfer.wire import TransferError, decode_state, encode_state
 
 from .common import (FP, KINDS, LAYOUT, REPO, free_port, raw_dealer, raw_recv, recv_n, same_tensors,
