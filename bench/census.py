@@ -147,7 +147,10 @@ def _graph_step(model, eng, rec: OpRecorder, syncs: SyncCounter) -> dict:
     rec.active = False
     out = _figures(rec, syncs, 1)
     torch._dynamo.reset()
-    ex = torch._dynamo.explain(runner.static.__call__)(*inputs)
+    # static shapes, as the step compiles: after a stub break dynamo compiles each layer's
+    # ``layer_step`` as its own frame, and the layer kinds' pools differ in size
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        ex = torch._dynamo.explain(runner.static.__call__)(*inputs)
     # breaks inside the contract stub (its Python argument binding) are the stub's: on an NPU its
     # kernels are torch_npu / torch.ops.custom ops, which a graph captures
     reasons = [_break_reason(r) for r in ex.break_reasons]

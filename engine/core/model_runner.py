@@ -5,7 +5,7 @@ prefill always runs eager through ``Transformer.forward_batch``:
 
     eager         the model's eager path, no runner
     npugraph_ex   Ascend: torch.compile(backend="npugraph_ex") (CANN AclGraph); CUDA: CUDA graphs;
-                  CPU: torch.compile (inductor)
+                  CPU: torch.compile (inductor) of the layer step, one graph per layer kind
     ge_graph      Ascend: torchair's GE backend; CUDA / CPU: as npugraph_ex
 
 The graph-mode step is ``StaticDecoder`` (fixed shapes, no host syncs), padded to the smallest
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.core.kv_cache import PagedCache
-from engine.core.static_decode import StaticDecoder
+from engine.core.static_decode import StaticDecoder, layer_kinds
 from engine.model.transformer import Transformer
 from engine.platform import Platform
 
@@ -124,7 +124,7 @@ class DecodeRunner:
         self._compiled = None
         self._pool = None                      # CUDA graphs of every bucket share one memory pool
         self.warmup_s = 0.0
-        self.backend = {"cpu": "torch.compile (inductor)", "cuda": "CUDA graphs"}.get(
+        self.backend = {"cpu": "torch.compile (inductor, per layer kind)", "cuda": "CUDA graphs"}.get(
             platform.kind, f"torch.compile (backend {'npugraph_ex' if cfg.exe_mode == 'npugraph_ex' else 'torchair GE'})")
 
     # ---- build ------------------------------------------------------------------------------
@@ -159,9 +159,13 @@ class DecodeRunner:
             kind, cfg = self.platform.kind, self.cfg
             # one specialisation per bucket: keep dynamo from falling back to eager past its limit
             dyn = torch._dynamo.config
-            dyn.recompile_limit = max(dyn.recompile_limit, 2 * len(self.buckets) * len(self.contexts))
+            kinds = len(layer_kinds(self.static.model)) if kind == "cpu" else 1
+            dyn.recompile_limit = max(dyn.recompile_limit, 2 * kinds * len(self.buckets) * len(self.contexts))
             if kind == "cpu":
-                self._compiled = torch.compile(self.static.__call__, fullgraph=True, dynamic=False)
+                # regional: inductor compiles one layer of each kind per bucket (Flash: a handful
+                # of graphs for 43 layers), the step around the layers runs eager
+                self.static.block = torch.compile(self.static.layer_step, fullgraph=True, dynamic=False)
+                self._compiled = self.static
             elif cfg.exe_mode == "npugraph_ex":
                 self._compiled = _npugraph_ex(self.static.__call__, cfg)
             else:

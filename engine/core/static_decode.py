@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,20 @@ def _gathered(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequant(w.take(idx), dtype) if isinstance(w, Packed) else w[idx].to(dtype)
 
 
+class LayerInputs(NamedTuple):
+    """A layer's own tensors in the step: its pools (window ring ``[rows, d]``; compressed entries,
+    compressor state, indexer entries and indexer compressor state, None where it has none) and
+    its rope's cos / sin tables ``[max_model_len, r/2]`` fp32 (the compressors look entries'
+    positions up in them)."""
+
+    win: torch.Tensor
+    cmp_kv: torch.Tensor | None
+    comp: tuple | None
+    idx_kv: torch.Tensor | None
+    idx_comp: tuple | None
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
 class StaticDecoder:
     """One decode step for B sequences (one token each) with fixed shapes.
 
@@ -126,6 +141,9 @@ class StaticDecoder:
         # says when it is graph-safe: its fallback is the reference, which syncs the host
         kernel = inspect.unwrap(model.ops.moe_experts)
         self.moe_why = getattr(kernel, "why", None) if kernel is not reference.moe_experts else None
+        # one layer of the step: ``layer_step`` as is, or its regionally compiled form (the CPU
+        # runner's torch.compile: one graph per layer kind, shared by the layers of that kind)
+        self.block = self.layer_step
 
     # ---- streams (plain no-op contexts when off: nothing for a graph tracer to trip on) ----
     def _side(self):
@@ -181,32 +199,44 @@ class StaticDecoder:
         rope = {k: (cos[positions], sin[positions]) for k, (cos, sin) in self.rope.items()}
         emb = m.embed_tokens(tokens) if m.embed_tp is not None else F.embedding(tokens, m.embed.weight)
         X = m.residual_streams(emb)
+        c = self.cache
         for i, layer in enumerate(m.layers):
-            X = self._block(i, layer, X, tokens, positions, slots, tables, *rope[id(m._rope(layer.attn.ratio))])
+            key = id(m._rope(layer.attn.ratio))
+            own = LayerInputs(c.win[i], c.cmp_kv.get(i), c.comp.get(i), c.idx_kv.get(i), c.idx_comp.get(i),
+                              self.rope[key])
+            X = self.block(layer, X, tokens, positions, slots, tables, *rope[key], own)
         h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)
         h = m.norm(h).to(m.dtype)
         return (h, X) if self.span > 1 else h
 
-    def _block(self, i: int, layer: Block, X, tokens, positions, slots, tables, cos, sin):
-        """``Block.forward`` (§3.2) with the static attention and MoE."""
+    def layer_step(self, layer: Block, X, tokens, positions, slots, tables, cos, sin, own: LayerInputs):
+        """``Block.forward`` (§3.2) with the static attention and MoE: one layer of the step
+        (``cos`` / ``sin``: its rope at the rows' positions; ``own``: its pools and rope tables).
+
+        Nothing here names the layer's index or the identity of a model object, so the layers of
+        one kind (compress ratio, indexer, routing), of any engine, trace to the same graph: a
+        regional compile of this function compiles once per kind, not per layer.
+        """
         y, post, comb = layer._hc_pre(X, "attn")
-        o = self._attention(i, layer.attn, layer.attn_norm(y).to(layer.dtype), positions, slots, tables, cos, sin)
+        o = self._attention(layer.attn, layer.attn_norm(y).to(layer.dtype), positions, slots, tables, cos, sin,
+                            own)
         X = layer.ops.hc_post(o, X, post, comb)
         y, post, comb = layer._hc_pre(X, "ffn")
         f = self._moe(layer.ffn, layer.ffn_norm(y).to(layer.dtype), tokens)
         return layer.ops.hc_post(f, X, post, comb)
 
-    def _attention(self, i: int, att: Attention, x, positions, slots, tables, cos, sin):
-        """``Attention.forward`` (§3.3) for one token per row, over the paged pools."""
+    def _attention(self, att: Attention, x, positions, slots, tables, cos, sin, own: LayerInputs):
+        """``Attention.forward`` (§3.3) for one token per row, over the layer's paged pools."""
         B, ops, c = x.shape[0], att.ops, self.cache
+        win, cmp_kv, comp, idx_kv, idx_comp, rope = own
         pool = "c4" if att.ratio == CSA_RATIO else "c128"
         with self._side(), self._cores(CORES_COMPRESSOR):
             if att.compressor is not None:      # entries written before attention reads them
-                self._compress_span(att.compressor, x, positions, slots, c.cmp_kv[i], c.comp[i], tables[pool],
-                                    c.trash_row[pool], x.dtype)
+                self._compress_span(att.compressor, x, positions, slots, cmp_kv, comp, tables[pool],
+                                    c.trash_row[pool], x.dtype, rope)
             if att.indexer is not None:
-                self._compress_span(att.indexer.compressor, x, positions, slots, c.idx_kv[i], c.idx_comp[i],
-                                    tables["c4"], c.trash_row["c4"], c.idx_codec.dtype)
+                self._compress_span(att.indexer.compressor, x, positions, slots, idx_kv, idx_comp,
+                                    tables["c4"], c.trash_row["c4"], c.idx_codec.dtype, rope)
         with self._cores(CORES_MAIN):
             c_q = att.q_norm(att.wq_a(x))
             q = att.wq_b(c_q).view(B, att.n_heads, att.head_dim)
@@ -217,20 +247,21 @@ class StaticDecoder:
         self._join()
         # window ring: write this token; the seam's decode ops then read positions p-W+1 .. p and
         # the entries, without host positions: masked over the context bucket the tables span
-        W, R, bs, win = att.window, self.widths["win"] * self.bs, self.bs, c.win[i]
+        W, R, bs = att.window, self.widths["win"] * self.bs, self.bs
         ops.cache_write(win, slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
         table = tables[pool] if att.compressor is not None else None
         bound = tables["c4"].shape[1] * bs * CSA_RATIO          # >= the context bucket: position + 1 <= it
         topk = None
         if att.indexer is not None:
-            topk = ops.decode_indexer_topk(iq, iw, c.idx_kv[i], tables["c4"], bs, positions, None, CSA_RATIO,
+            topk = ops.decode_indexer_topk(iq, iw, idx_kv, tables["c4"], bs, positions, None, CSA_RATIO,
                                            att.indexer.topk, att.indexer.head_dim ** -0.5, max_seqlen=bound)
         o = ops.decode_sparse_attn(q, positions, None, win, tables["win"], R, W,
-                                   c.cmp_kv[i] if table is not None else None, table, att.ratio, topk,
+                                   cmp_kv if table is not None else None, table, att.ratio, topk,
                                    att.attn_sink, att.head_dim ** -0.5, bs, max_seqlen=bound)
         return att.out_proj(ops.rope(o, cos, -sin))              # o_proj TP inside under several ranks
 
-    def _compress_span(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype):
+    def _compress_span(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype,
+                       rope):
         """``reference.compressor`` (§3.4) for the step's rows: the projections of all rows at
         once (the weights read once), then ``_compress`` for token j = 0 .. T-1 of every sequence
         in order, its T rows sharing one state slot (module docstring)."""
@@ -240,12 +271,13 @@ class StaticDecoder:
         score = comp.ops.linear(xf, comp.wgate.dense_weight(torch.float32)) + comp.ape.float()[r]
         T = self.span
         if T == 1:
-            return self._compress(comp, kv, score, positions, slots, pool, state, table, trash, out_dtype)
+            return self._compress(comp, kv, score, positions, slots, pool, state, table, trash, out_dtype, rope)
         for j in range(T):
             self._compress(comp, kv[j::T], score[j::T], positions[j::T], slots[j::T], pool, state, table[j::T],
-                           trash, out_dtype)
+                           trash, out_dtype, rope)
 
-    def _compress(self, comp: Compressor, kv, score, positions, slots, pool, state, table, trash: int, out_dtype):
+    def _compress(self, comp: Compressor, kv, score, positions, slots, pool, state, table, trash: int, out_dtype,
+                  rope):
         """One token per row (its projections ``kv`` / ``score`` ``[B, width]`` fp32, score with
         ape): update the fp32 remainder in the state slot, pool the window, and write the entry
         (or, when the window stays open, trash)."""
@@ -268,7 +300,7 @@ class StaticDecoder:
             ckv, csc = cur_kv, cur_sc
         pooled = (ckv * csc.softmax(dim=1)).sum(dim=1)                           # [B, d]
         first = positions - r                                                     # entry position m * i
-        cos, sin = self.rope[id(comp.rope)]
+        cos, sin = rope                     # the layer's rope, which its compressors share
         entry = comp.ops.rope(comp.norm(pooled), cos[first], sin[first]).to(out_dtype)
         # an open window's entry index may lie past the table (the last window of max_model_len):
         # look up entry 0 instead, then send the write to the trash row
@@ -299,3 +331,10 @@ class StaticDecoder:
             # the platform kernel (grouped matmul with a device-side group list; W8A8 as stored)
             return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit, e.act).to(out_dtype)
         return moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act, out_dtype)
+
+
+def layer_kinds(model: Transformer) -> set[tuple]:
+    """The distinct layer kinds of ``model`` (compress ratio, indexer, hash routing): how many
+    graphs a regional compile of ``StaticDecoder.layer_step`` makes per bucket."""
+    return {(b.attn.ratio, b.attn.indexer is not None, getattr(getattr(b.ffn, "gate", None), "tid2eid", None) is not None)
+            for b in model.layers}

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 
 from engine.build import build_engine, check_platform_version, exec_config
 from engine.checkpoint import fp8_mxfp4
@@ -17,6 +18,7 @@ from engine.platform import detect
 from engine.run_config import RunConfig
 from engine.core.model_runner import DecodeRunner, ExecConfig, batch_buckets, buckets, context_buckets
 from engine.core.sampling_params import SamplingParams
+from engine.core.static_decode import StaticDecoder, layer_kinds
 
 from graph_cfg import assert_close_outputs, graph_run_config, graph_threads
 
@@ -88,14 +90,19 @@ def test_static_step_multi_streams_and_limit_core_are_noops_on_cpu(model, eager_
 
 
 def test_torch_compile_on_cpu_matches_eager(tiny_ckpt):
-    """Graph mode on CPU: torch.compile(fullgraph) of the static step, warmed up by build_engine
-    before serving, on the graph decode worker's own config (tests/graph_cfg.py: the worker of
-    test_pd_graph then reads this compile from the inductor cache). Two requests, one greedy and
-    one sampled, inside the smallest context bucket: one compile (crossing buckets is the
-    uncompiled tests' job, the compile of another shape dynamo's)."""
+    """Graph mode on CPU: a regional torch.compile(fullgraph) of the static step's layer, warmed up
+    by build_engine before serving, on the graph decode worker's own config (tests/graph_cfg.py:
+    the worker of test_pd_graph then reads this compile from the inductor cache). Two requests,
+    one greedy and one sampled, inside the smallest context bucket: one bucket compiled, at most
+    one graph per layer kind (3 kinds in 4 layers), and a second engine of the config compiles
+    nothing (crossing buckets is the uncompiled tests' job, the compile of another shape dynamo's)."""
     ckpt = tiny_ckpt("flash", 1)
+    code = StaticDecoder.layer_step.__code__
+    before = len(cache_entries(code))
     with graph_threads():
         eng = build_engine(RunConfig.from_dict(graph_run_config()), ckpt, progress=False)
+    grown = len(cache_entries(code)) - before
+    assert 1 <= grown <= len(layer_kinds(eng.model)) == 3 < len(eng.model.layers)
     ref_eng = build_engine(RunConfig.from_dict(graph_run_config("eager")), ckpt, progress=False)
     prompts, params = _workload(ref_eng.model, n=2)
     ref = ref_eng.generate(prompts, params)
@@ -111,6 +118,11 @@ def test_torch_compile_on_cpu_matches_eager(tiny_ckpt):
     assert list(eng.runner._fns) == [(2, eng.runner.contexts[0])]
     print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.warmup_s:.0f} s")
     assert eng.num_free_blocks() == eng.num_total_blocks()
+    # the layer graphs name no engine object: another engine runs them as they are
+    with graph_threads():
+        again = build_engine(RunConfig.from_dict(graph_run_config()), ckpt, progress=False)
+        assert_close_outputs(ref, again.generate(prompts, params))
+    assert len(cache_entries(code)) - before == grown
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
