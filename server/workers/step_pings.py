@@ -94,18 +94,24 @@ class StepPings:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._intr_r, zmq.POLLIN)
+        failed = None                                  # the step whose serving failed: not retried
         while True:
             with self._cv:
                 while not self._closed:
-                    left = self.after_s if self._t0 is None else self._t0 + self.after_s - time.monotonic()
-                    if self._t0 is not None and left <= 0:
-                        break
+                    t0, left = self._t0, self.after_s
+                    if t0 is not None and t0 != failed:
+                        left = t0 + self.after_s - time.monotonic()
+                        if left <= 0:
+                            break
                     self._cv.wait(left)         # no notify per step: a short one costs the loop nothing
                 if self._closed:
                     return
-                self._held, t0 = True, self._t0
+                self._held = True
             try:
                 self._hold(poller, t0)
+            except Exception:               # the socket closed under it (shutdown): the loop answers
+                failed = t0
+                log.warning("step pings: the helper stopped serving a step", exc_info=True)
             finally:
                 with self._cv:
                     self._held = False
