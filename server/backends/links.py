@@ -176,7 +176,7 @@ class WorkerLinks:
             inst.unanswered = 0                     # any message: its loop is alive
             if op == "pong":
                 step_s = msg.get("step_s")          # answered during a step that has run this long
-                if isinstance(step_s, (int, float)) and step_s > 0:
+                if isinstance(step_s, (int, float)) and 0 < step_s < 1e9:
                     # a step past health_timeout_s counts as that many unanswered pings: a hung
                     # step still takes the instance out of routing
                     inst.unanswered = min(int(step_s / self.health_interval_s), 1 << 30)

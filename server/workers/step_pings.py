@@ -28,6 +28,8 @@ import zmq
 from server.workers.rpc import MessageError, pack, unpack
 
 log = logging.getLogger(__name__)
+BATCH = 64                  # frames read between two looks at the loop's interrupt
+MAX_KEPT = 4096             # frames kept for the loop during one step, at most
 
 
 class StepPings:
@@ -121,18 +123,29 @@ class StepPings:
         """Serve the socket until the loop's ``end`` interrupts."""
         while True:
             events = dict(poller.poll())
+            # the loop's end first: frames still queued stay in the socket, behind the kept ones,
+            # so a stream of frames cannot hold the loop past its step
+            if self._intr_r in events or self._intr_r.fileno() in events:
+                self._wait_interrupt()
+                return
             if self.sock in events:
                 self._receive(t0)
-            if self._intr_r in events or self._intr_r.fileno() in events:
-                try:
-                    while self._intr_r.recv(64):
-                        pass
-                except OSError:
-                    pass
-                return
+                if len(self._kept) >= MAX_KEPT:     # the rest waits in the socket (its HWM holds senders)
+                    self._wait_interrupt()
+                    return
+
+    def _wait_interrupt(self) -> None:
+        """Block until the loop's ``end`` writes the interrupt, and consume it."""
+        zmq.select([self._intr_r], [], [])
+        try:
+            while self._intr_r.recv(64):
+                pass
+        except OSError:
+            pass
 
     def _receive(self, t0: float) -> None:
-        while True:
+        """Up to ``BATCH`` frames (then the interrupt is looked at again)."""
+        for _ in range(BATCH):
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -20,7 +20,7 @@ from server.launch.local import free_port
 from server.workers.base import WorkerOptions
 from server.workers.prefill import PrefillWorker
 from server.workers.rpc import pack, params_to_dict, unpack
-from server.workers.step_pings import StepPings
+from server.workers.step_pings import MAX_KEPT, StepPings
 
 
 class _Pair:
@@ -73,6 +73,46 @@ def test_the_helper_answers_only_inside_a_long_step_and_keeps_the_rest_in_order(
         assert p.router.poll(1000) and unpack(p.router.recv_multipart()[1])["op"] == "ping"
         assert p.pings.answered == 2 and p.recv(0.3) is None
     finally:
+        p.close()
+
+
+def test_a_stream_of_frames_cannot_hold_the_loop_past_its_step():
+    """Senders that never let the socket run empty: ``end`` still takes the socket back (the
+    interrupt is looked at every ``BATCH`` frames, first), at most ``MAX_KEPT`` frames are kept,
+    and the rest stay in the socket, in order behind them."""
+    p = _Pair(after_s=0.05)
+    done = threading.Event()
+
+    def flood():
+        d = p.ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(p.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        i = 0
+        while not done.is_set():
+            try:
+                d.send(pack({"op": "abort", "rid": str(i)}), zmq.NOBLOCK)
+                i += 1
+            except zmq.Again:
+                time.sleep(0.001)
+        d.close(0)
+
+    t = threading.Thread(target=flood)
+    t.start()
+    try:
+        p.pings.begin()
+        end = time.monotonic() + 30
+        while len(p.pings._kept) < MAX_KEPT and time.monotonic() < end:   # the flood fills the cap
+            time.sleep(0.05)
+        p.pings.end()                                   # returns while the flood goes on
+        done.set()
+        kept = [unpack(f[1])["rid"] for f in p.pings.take_kept()]
+        assert len(kept) == MAX_KEPT and kept == [str(i) for i in range(MAX_KEPT)]
+        assert p.router.poll(5000)
+        rest = [unpack(p.router.recv_multipart()[1])["rid"] for _ in range(100)]
+        assert rest == [str(i) for i in range(MAX_KEPT, MAX_KEPT + 100)]
+    finally:
+        done.set()
+        t.join(10)
         p.close()
 
 
