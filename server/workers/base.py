@@ -13,8 +13,9 @@ Liveness towards the gateway is ZMTP heartbeats (``messages.set_heartbeat``), an
 libzmq's I/O thread even during a long step; load reports (``ping`` -> ``pong``) are answered
 between steps, and during a long one by ``StepPings``'s helper thread. ``begin_drain``
 (SIGTERM) turns ``/ready`` false and refuses new samples with 503; the loop ends once in-flight
-samples finish, or at ``drain_timeout_s`` after aborting the rest with an error. A sample's ``deadline_s`` is enforced
-here too (504), so a lost abort from the gateway cannot keep state forever.
+samples finish, or at ``drain_timeout_s`` after aborting the rest with an error. A sample's
+``deadline_s`` is enforced here too (504), so a lost abort from the gateway cannot keep state
+forever.
 """
 from __future__ import annotations
 
