@@ -336,5 +336,6 @@ class StaticDecoder:
 def layer_kinds(model: Transformer) -> set[tuple]:
     """The distinct layer kinds of ``model`` (compress ratio, indexer, hash routing): how many
     graphs a regional compile of ``StaticDecoder.layer_step`` makes per bucket."""
-    return {(b.attn.ratio, b.attn.indexer is not None, getattr(getattr(b.ffn, "gate", None), "tid2eid", None) is not None)
-            for b in model.layers}
+    def hashed(b: Block) -> bool:
+        return getattr(getattr(b.ffn, "gate", None), "tid2eid", None) is not None
+    return {(b.attn.ratio, b.attn.indexer is not None, hashed(b)) for b in model.layers}
