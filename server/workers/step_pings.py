@@ -144,8 +144,11 @@ class StepPings:
             pass
 
     def _receive(self, t0: float) -> None:
-        """Up to ``BATCH`` frames (then the interrupt is looked at again)."""
+        """Up to ``BATCH`` frames (then the interrupt is looked at again), never past ``MAX_KEPT``
+        kept ones: a batch cut short by an empty socket leaves the next one unaligned to the cap."""
         for _ in range(BATCH):
+            if len(self._kept) >= MAX_KEPT:
+                return
             try:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:

@@ -79,9 +79,10 @@ def test_the_helper_answers_only_inside_a_long_step_and_keeps_the_rest_in_order(
 def test_a_stream_of_frames_cannot_hold_the_loop_past_its_step():
     """Senders that never let the socket run empty: ``end`` still takes the socket back (the
     interrupt is looked at every ``BATCH`` frames, first), at most ``MAX_KEPT`` frames are kept,
-    and the rest stay in the socket, in order behind them."""
+    and the rest stay in the socket, in order behind them. The flood starts with a short batch, so
+    the batches after it are not aligned to the cap."""
     p = _Pair(after_s=0.05)
-    done = threading.Event()
+    done, go = threading.Event(), threading.Event()
 
     def flood():
         d = p.ctx.socket(zmq.DEALER)
@@ -92,6 +93,8 @@ def test_a_stream_of_frames_cannot_hold_the_loop_past_its_step():
             try:
                 d.send(pack({"op": "abort", "rid": str(i)}), zmq.NOBLOCK)
                 i += 1
+                if i == 30:                     # a short first batch
+                    go.wait(10)
             except zmq.Again:
                 time.sleep(0.001)
         d.close(0)
@@ -101,6 +104,9 @@ def test_a_stream_of_frames_cannot_hold_the_loop_past_its_step():
     try:
         p.pings.begin()
         end = time.monotonic() + 30
+        while len(p.pings._kept) < 30 and time.monotonic() < end:
+            time.sleep(0.01)
+        go.set()
         while len(p.pings._kept) < MAX_KEPT and time.monotonic() < end:   # the flood fills the cap
             time.sleep(0.05)
         p.pings.end()                                   # returns while the flood goes on
