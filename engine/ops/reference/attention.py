@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.ops.reference.blas import gemm, row_mix, row_scores
+from engine.ops.reference.blas import GEMM_ROW_MULTIPLE, gemm, row_mix, row_scores
 from engine.ops.reference.dense import rms_norm, rope
 
 
@@ -147,6 +147,44 @@ def topk_low_index(s: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tens
 
 
 # ---- sparse attention with shared KV and sink (§3.3 steps 4-6) --------------------------------
+# The indexer picks min(topk, n) of a query's n candidate entries (§3.5); the rest of its topk ids
+# are -1. A CSA query attends the first ``csa_pick_width`` columns of its picks: n rounded up to
+# an eighth of topk (64 on Flash's 512, 128 on Pro's 1024), so a short context gathers and scores
+# a few entries, not topk of which most are padding. The width is a function of the position
+# alone, so the prefill rows and the decode rows of a position keep one reduction length (batch
+# invariance).
+CSA_PICK_STEPS = 8
+
+
+def csa_pick_width(position: int, ratio: int, topk: int) -> int:
+    """Columns of the indexer's picks a CSA query at ``position`` attends: 0 before its first
+    closed entry, else ``min(topk, n rounded up to a multiple of topk // CSA_PICK_STEPS)``,
+    n = ``(position + 1) // ratio``."""
+    n, unit = (position + 1) // ratio, max(1, topk // CSA_PICK_STEPS)
+    return 0 if n == 0 else min(topk, -(-n // unit) * unit)
+
+
+def csa_width_end(position: int, ratio: int, topk: int) -> int:
+    """The first position after ``position`` whose ``csa_pick_width`` differs (a large number when none)."""
+    n, unit = (position + 1) // ratio, max(1, topk // CSA_PICK_STEPS)
+    if n == 0:
+        return ratio - 1
+    if csa_pick_width(position, ratio, topk) == topk:
+        return 1 << 62
+    return (-(-n // unit) * unit + 1) * ratio - 1
+
+
+def leading_picks(topk_idx: torch.Tensor, width: int) -> torch.Tensor:
+    """``[t, k]`` int64 picks -> ``[t, width]``: each row's valid ids ascending, then -1. The
+    reference indexer's picks are in this order already; a kernel's may not be, and every valid
+    id of a causal pick fits ``width`` (at most n of them)."""
+    if width >= topk_idx.shape[1]:
+        return topk_idx
+    big = torch.iinfo(topk_idx.dtype).max
+    key = torch.where(topk_idx >= 0, topk_idx, big).topk(width, dim=-1, largest=False, sorted=True).values
+    return torch.where(key == big, -1, key)
+
+
 def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, win_pos0: int, window: int,
                 cmp_kv: torch.Tensor | None, cmp_ratio: int, topk_idx: torch.Tensor | None,
                 sinks: torch.Tensor, scale: float) -> torch.Tensor:
@@ -169,18 +207,25 @@ def sparse_attn(q: torch.Tensor, positions: torch.Tensor, win_kv: torch.Tensor, 
     if cmp_kv is not None and cmp_kv.shape[0] == 0:
         cmp_kv = topk_idx = None
     n_cmp = 0 if cmp_kv is None else cmp_kv.shape[0]
-    keys_per_q = window + (n_cmp if topk_idx is None else topk_idx.shape[1])
-    # per query chunk: scores [t, h, keys] plus gathered keys [t, keys, d]
-    step = max(1, min(T, SCORE_BUDGET // ((h + d) * keys_per_q)))
     dense = cmp_kv is not None and topk_idx is None
     p0 = int(positions[0]) if T else 0
     t0 = 0
     while t0 < T:
-        t1 = min(T, t0 + step)
+        ck, picks, width = cmp_kv, topk_idx, n_cmp
+        if topk_idx is not None:
+            width = csa_pick_width(p0 + t0, cmp_ratio, topk_idx.shape[1])
+        # per query chunk: scores [t, h, keys] plus gathered keys [t, keys, d]
+        # (whole row groups of the per-row products, so only a chunk's last group is padded)
+        t1 = min(T, t0 + max(GEMM_ROW_MULTIPLE, SCORE_BUDGET // ((h + d) * (window + width))
+                             // GEMM_ROW_MULTIPLE * GEMM_ROW_MULTIPLE))
         if dense:   # every query of a chunk sees the same entries: reductions keep one length
             t1 = min(t1, (p0 + t0 + 1) // cmp_ratio * cmp_ratio + cmp_ratio - 1 - p0)
-        out[t0:t1] = _attn_chunk(q[t0:t1], positions[t0:t1], win_kv, win_pos0, window, cmp_kv, cmp_ratio,
-                                 None if topk_idx is None else topk_idx[t0:t1], sinks, scale)
+        elif topk_idx is not None:   # every query of a chunk attends the same number of picks
+            t1 = min(t1, csa_width_end(p0 + t0, cmp_ratio, topk_idx.shape[1]) - p0)
+            picks = leading_picks(topk_idx[t0:t1], width) if width else None
+            ck = cmp_kv if width else None
+        out[t0:t1] = _attn_chunk(q[t0:t1], positions[t0:t1], win_kv, win_pos0, window, ck, cmp_ratio,
+                                 picks, sinks, scale)
         t0 = t1
     return out
 
@@ -204,7 +249,7 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
         scores.append(row_scores(qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
     elif cmp_kv is not None:                                              # CSA: indexer picks
         valid = topk_idx >= 0
-        ck = cmp_kv[topk_idx.clamp_min(0)].float()                        # [t, k, d]
+        ck = F.embedding(topk_idx.clamp_min(0), cmp_kv).float()            # [t, k, d] (a row gather: ~8x [] on CPU)
         s = row_scores(qf, ck).mul(scale)
         scores.append(s.masked_fill(~valid[:, None], float("-inf")))
     sink = sinks.float().view(1, h, 1).expand(t, h, 1)

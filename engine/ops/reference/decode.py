@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.ops.reference.attention import topk_low_index, weighted_relu_sum
+from engine.ops.reference.attention import csa_pick_width, leading_picks, topk_low_index, weighted_relu_sum
 from engine.ops.reference.blas import row_mix, row_scores
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
     if cmp is None:
         keys = [0] * B
     elif topk_idx is not None:
-        keys = [topk_idx.shape[1] if (p + 1) // cmp_ratio else 0 for p in pos]
+        keys = [csa_pick_width(p, cmp_ratio, topk_idx.shape[1]) for p in pos]
     else:
         keys = [(p + 1) // cmp_ratio for p in pos]
     qf, o = q.float(), torch.empty_like(q)
@@ -129,7 +129,7 @@ def decode_sparse_attn(q: torch.Tensor, positions: torch.Tensor, pos: list[int] 
         scores = [row_scores(kq, wg).mul(scale).masked_fill(~valid[g][:, None], float("-inf"))]
         ck = None
         if n and topk_idx is not None:                                           # CSA: the indexer's picks
-            t = topk_idx[g]
+            t = leading_picks(topk_idx[g], n)
             ck = cmp.read(table_rows(cmp_table[g], block_size, t.clamp_min(0))).float()   # [b, k, d]
             scores.append(row_scores(kq, ck).mul(scale).masked_fill(~(t >= 0)[:, None], float("-inf")))
         elif n:                                                                  # HCA: every closed entry

@@ -58,6 +58,34 @@ def test_sparse_attn_topk_ignores_minus_one_and_is_chunking_invariant(monkeypatc
     assert torch.allclose(R.sparse_attn(q, pos, win_kv, 100 - (W - 1), W, cmp, 4, topk, sinks, 0.5), out, atol=1e-6)
 
 
+def test_csa_attends_its_picks_to_a_width_set_by_its_position():
+    """A short CSA context attends the first ``csa_pick_width`` columns of its picks (its n
+    candidates rounded up to an eighth of topk, 0 before the first entry), not all topk: the
+    values of attending every pick, the same bits in chunks that cross a width boundary as one
+    query at a time, and the same bits for a kernel's unordered picks with -1 anywhere."""
+    from engine.ops.reference.attention import csa_pick_width, csa_width_end
+    assert [csa_pick_width(p, 4, 16) for p in (0, 2, 3, 7, 10, 11, 63, 64, 200)] == [0, 0, 2, 2, 2, 4, 16, 16, 16]
+    assert [csa_pick_width(p, 4, 512) for p in (3, 258, 259, 2047, 1 << 20)] == [64, 64, 128, 512, 512]
+    assert (csa_width_end(0, 4, 16), csa_width_end(3, 4, 16), csa_width_end(60, 4, 16)) == (3, 11, 1 << 62)
+    T, h, d, W, k = 48, 2, 8, 4, 16
+    gen = torch.Generator().manual_seed(1)       # its own stream: the tests after it keep theirs
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    pos = torch.arange(T)
+    win_kv, cmp, q, sinks = rnd(T, d), rnd(T // 4, d), rnd(T, h, d), rnd(h)
+    topk = R.indexer_topk(rnd(T, 2, d), rnd(T, 2), rnd(T // 4, d), pos, 4, k, 0.5)   # ascending, -1 last
+    out = R.sparse_attn(q, pos, win_kv, 0, W, cmp, 4, topk, sinks, 0.5)
+    keys = [list(range(max(0, t - W + 1), t + 1)) + [T + int(i) for i in topk[t] if i >= 0] for t in range(T)]
+    assert torch.allclose(out, naive_attention(q, pos, keys, torch.cat([win_kv, cmp]), sinks, 0.5), atol=1e-5)
+    alone = torch.cat([R.sparse_attn(q[t:t + 1], pos[t:t + 1], win_kv, 0, W, cmp, 4, topk[t:t + 1], sinks, 0.5)
+                       for t in range(T)])
+    assert torch.equal(out, alone)
+    shuffled = torch.stack([row[torch.randperm(k, generator=gen)] for row in topk])
+    assert torch.equal(R.sparse_attn(q, pos, win_kv, 0, W, cmp, 4, shuffled, sinks, 0.5), out)
+
+
 def test_topk_ties_break_to_lower_index_and_pad():
     s = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
     allowed = torch.ones_like(s, dtype=torch.bool)
@@ -182,8 +210,8 @@ def test_row_results_do_not_depend_on_the_batch():
 
 
 def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
-    """The streamed LM head and the routed experts (one buffer of row blocks up to
-    MOE_BATCHED_TOKENS tokens, a loop over experts above) give each row the bits it gets alone,
+    """The streamed LM head and the routed experts (one buffer of row blocks within
+    MOE_BLOCK_BYTES, a loop over experts past it) give each row the bits it gets alone,
     both expert paths the same bits, and the values of the plain math; empty inputs give empty
     outputs."""
     g = torch.Generator().manual_seed(3)
@@ -206,10 +234,11 @@ def test_lm_head_and_batched_moe_keep_rows_independent(monkeypatch):
     for act in (None, "int8-token"):
         alone = torch.cat([R.moe_experts(xs[i:i + 1], ids[i:i + 1], wts[i:i + 1], w1, w3, w2, 10.0, act)
                            for i in range(40)])
-        for T in (2, 5, 16, 17, 40):                       # blocks up to MOE_BATCHED_TOKENS, looped above
+        for T in (2, 5, 16, 17, 40):                       # one buffer of row blocks
             assert torch.equal(R.moe_experts(xs[:T], ids[:T], wts[:T], w1, w3, w2, 10.0, act), alone[:T]), (T, act)
-        monkeypatch.setattr(R.moe, "MOE_BATCHED_TOKENS", 0)    # the loop: same bits
-        assert torch.equal(R.moe_experts(xs[:16], ids[:16], wts[:16], w1, w3, w2, 10.0, act), alone[:16])
+        monkeypatch.setattr(R.moe, "MOE_BLOCK_BYTES", 0)       # the loop over experts: same bits
+        for T in (1, 16, 40):
+            assert torch.equal(R.moe_experts(xs[:T], ids[:T], wts[:T], w1, w3, w2, 10.0, act), alone[:T]), (T, act)
         monkeypatch.undo()
     assert torch.allclose(R.moe_experts(xs, ids, wts, w1, w3, w2, 10.0), naive, atol=1e-5)
     assert R.moe_experts(xs[:0], ids[:0], wts[:0], w1, w3, w2, 10.0).shape == (0, H)
