@@ -81,7 +81,14 @@ class Packed(NamedTuple):
 
     def take(self, idx: torch.Tensor) -> "Packed":
         """Experts ``idx`` (``[B]`` int64) of a stacked Packed, gathered: ``[B, ..]`` (no host sync)."""
-        return Packed(self.data[idx], self.scale[idx], self.fmt, None if self.bias is None else self.bias[idx],
+        def pick(t):
+            return t.index_select(0, idx)             # ~3x ``t[idx]`` on a CPU's int8 bytes
+        return Packed(pick(self.data), pick(self.scale), self.fmt, None if self.bias is None else pick(self.bias),
+                      self.block, self.offset)
+
+    def span(self, e0: int, e1: int) -> "Packed":
+        """Experts ``e0 .. e1 - 1`` of a stacked Packed, as views: ``[e1 - e0, ..]``."""
+        return Packed(self.data[e0:e1], self.scale[e0:e1], self.fmt, None if self.bias is None else self.bias[e0:e1],
                       self.block, self.offset)
 
 

@@ -25,14 +25,20 @@ def expert_weights(w: torch.Tensor | Packed, experts: list[int], dtype: torch.dt
     per = max(1, tile_elements(w.data.device) // (n * k))
     for i in range(0, len(experts), per):
         ids = experts[i:i + per]
-        yield from (dequant(w.expert(ids[0]), dtype)[None] if len(ids) == 1 else
-                    dequant(w.take(torch.tensor(ids, device=w.data.device)), dtype))
+        if len(ids) == 1:
+            yield dequant(w.expert(ids[0]), dtype)
+        elif ids == list(range(ids[0], ids[0] + len(ids))):    # a run (most of a prefill's experts): views
+            yield from dequant(w.span(ids[0], ids[-1] + 1), dtype)
+        else:
+            yield from dequant(w.take(torch.tensor(ids, device=w.data.device)), dtype)
 
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
-# Up to this many tokens (decode batches) the routed experts' row blocks share one buffer
-# (``_moe_blocks``: the loop's GEMM calls, fewer small ops); above, a loop over experts.
-MOE_BATCHED_TOKENS = 16
+# While their buffers fit this many bytes, the routed experts' row blocks share one buffer
+# (``_moe_blocks``: the loop's GEMM calls, a dozen other ops in all: decode batches, and short
+# prefills of small experts); past it, a loop over experts (a few ops per expert, which a long
+# prefill of real-width experts amortises over their GEMMs).
+MOE_BLOCK_BYTES = 64 << 20
 
 
 def gating_topk(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None, k: int,
@@ -72,7 +78,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
 
     Every expert GEMM runs on blocks of exactly ``GEMM_ROW_MULTIPLE`` rows (batch invariance, see
     there) and a token's k results are added in ascending expert order: a row's result does not
-    depend on the other tokens, nor on which of the two paths (``MOE_BATCHED_TOKENS``) ran.
+    depend on the other tokens, nor on which of the two paths (``MOE_BLOCK_BYTES``) ran.
 
     Args:
         x: ``[T, H]``; ids, weights: ``[T, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
@@ -90,7 +96,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     order = torch.argsort(flat, stable=True)
     tok = order // k
     wt = weights.reshape(-1)[order]
-    if 0 < T <= MOE_BATCHED_TOKENS:
+    rows = T * k + w1.shape[0] * (GEMM_ROW_MULTIPLE - 1)                 # the buffer's rows, at most
+    if 0 < T and rows * (2 * x.shape[1] + 3 * w1.shape[1]) * x.element_size() <= MOE_BLOCK_BYTES:
         return _moe_blocks(x, flat[order], tok, wt, w1, w3, w2, limit, act, out)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
     used = [e for e, c in enumerate(counts) if c]
@@ -98,7 +105,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     for e, d1, d3, d2 in zip(used, *(expert_weights(w, used, x.dtype) for w in (w1, w3, w2))):
         c = counts[e]
         t_e = tok[start:start + c]
-        xe = x[t_e]
+        xe = F.embedding(t_e, x)                                         # x[t_e]; a row gather ~8x [] on CPU
         h = swiglu_clamp(gemm(xe, d1), gemm(xe, d3), limit)
         if act is not None:
             h = act_quant(h, act)
@@ -120,8 +127,7 @@ def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
     rank = torch.arange(eid.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[group]
     row = first[group] * R + rank                                        # slot -> buffer row
     n = int(blocks.sum())
-    xg = x.new_zeros(n * R, x.shape[1])
-    xg[row] = x[tok]
+    xg = x.new_zeros(n * R, x.shape[1]).index_copy_(0, row, F.embedding(tok, x))
     spans = [(e, b, b + nb) for e, b, nb in zip(used.tolist(), first.tolist(), blocks.tolist())]
     gate, up, y = x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, w1.shape[1]), x.new_empty(n, R, x.shape[1])
     for w, src, dst in ((w1, xg, gate), (w3, xg, up), (w2, None, y)):
@@ -134,5 +140,5 @@ def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
             for b in range(b0, b1):
                 torch.mm(src[b], wt_e, out=dst[b])
     # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order
-    out.index_add_(0, tok, y.view(n * R, -1)[row].float() * wt[:, None].float())
+    out.index_add_(0, tok, F.embedding(row, y.view(n * R, -1)).float() * wt[:, None].float())
     return out.to(x.dtype)
