@@ -35,9 +35,9 @@ def expert_weights(w: torch.Tensor | Packed, experts: list[int], dtype: torch.dt
 
 # ---- MoE (§3.7) ------------------------------------------------------------------------------
 # While their buffers fit this many bytes, the routed experts' row blocks share one buffer
-# (``_moe_blocks``: the loop's GEMM calls, a dozen other ops in all: decode batches, and short
-# prefills of small experts); past it, a loop over experts (a few ops per expert, which a long
-# prefill of real-width experts amortises over their GEMMs).
+# (``_moe_blocks``: the loop's GEMM calls, a dozen other ops in all: decode batches of up to 24
+# rows of Flash's experts in fp32, short prefills of small experts); past it, a loop over experts
+# (a few ops per expert, which a long prefill of real-width experts amortises over their GEMMs).
 MOE_BLOCK_BYTES = 64 << 20
 
 
@@ -96,7 +96,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     order = torch.argsort(flat, stable=True)
     tok = order // k
     wt = weights.reshape(-1)[order]
-    rows = T * k + w1.shape[0] * (GEMM_ROW_MULTIPLE - 1)                 # the buffer's rows, at most
+    rows = T * k + min(T * k, w1.shape[0]) * (GEMM_ROW_MULTIPLE - 1)     # the buffer's rows, at most
     if 0 < T and rows * (2 * x.shape[1] + 3 * w1.shape[1]) * x.element_size() <= MOE_BLOCK_BYTES:
         return _moe_blocks(x, flat[order], tok, wt, w1, w3, w2, limit, act, out)
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
