@@ -249,7 +249,7 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
         scores.append(row_scores(qf, ck).mul(scale).masked_fill(~cmask[:, None], float("-inf")))
     elif cmp_kv is not None:                                              # CSA: indexer picks
         valid = topk_idx >= 0
-        ck = F.embedding(topk_idx.clamp_min(0), cmp_kv).float()            # [t, k, d] (a row gather: ~8x [] on CPU)
+        ck = _picked_keys(cmp_kv, topk_idx).float()                       # [t, k, d] or shared [k, d]
         s = row_scores(qf, ck).mul(scale)
         scores.append(s.masked_fill(~valid[:, None], float("-inf")))
     sink = sinks.float().view(1, h, 1).expand(t, h, 1)
@@ -259,3 +259,17 @@ def _attn_chunk(q, pos, win_kv, win_pos0, window, cmp_kv, cmp_ratio, topk_idx, s
     if cmp_kv is not None:
         o = o + row_mix(probs[..., window:-1], ck)
     return o.to(q.dtype)
+
+
+def _picked_keys(cmp_kv: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """The keys of ``picks [t, w]``: ``[t, w, d]`` gathered or, when every row picked all of its
+    candidates (n <= topk: entries ``0 .. n-1`` in order, then -1), the shared first ``w`` entries
+    ``[w, d]`` (zero rows past the stored ones). Columns past a row's picks are masked either way,
+    and ``row_scores`` / ``row_mix`` give a shared tensor the bits of its gathered copy, so a short
+    context skips copying the same entries for every query."""
+    w = picks.shape[1]
+    first = torch.arange(w, device=picks.device)
+    if torch.equal(picks, torch.where(first < (picks >= 0).sum(-1, keepdim=True), first, -1)):
+        ck = cmp_kv[:w]
+        return F.pad(ck, (0, 0, 0, w - ck.shape[0])) if ck.shape[0] < w else ck
+    return F.embedding(picks.clamp_min(0), cmp_kv)                    # a row gather: ~8x ``cmp_kv[idx]`` on CPU
