@@ -81,9 +81,7 @@ class Packed(NamedTuple):
 
     def take(self, idx: torch.Tensor) -> "Packed":
         """Experts ``idx`` (``[B]`` int64) of a stacked Packed, gathered: ``[B, ..]`` (no host sync)."""
-        def pick(t):
-            return t.index_select(0, idx)             # ~3x ``t[idx]`` on a CPU's int8 bytes
-        return Packed(pick(self.data), pick(self.scale), self.fmt, None if self.bias is None else pick(self.bias),
+        return Packed(self.data[idx], self.scale[idx], self.fmt, None if self.bias is None else self.bias[idx],
                       self.block, self.offset)
 
     def span(self, e0: int, e1: int) -> "Packed":
