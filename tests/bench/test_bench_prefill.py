@@ -3,17 +3,15 @@ bundled tiny flash checkpoint once per layer (or per mHC site), outermost calls 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from bench.bench_prefill import main
 
-CKPT = Path(__file__).resolve().parents[2] / "models/tiny-flash"
 
-
-def test_the_breakdown_counts_each_op_once_per_layer(capsys):
-    assert main(["--checkpoint", str(CKPT), "--tokens", "40", "--repeats", "1", "--threads", "1"]) == 0
+def test_the_breakdown_counts_each_op_once_per_layer(tiny_ckpt, capsys):
+    ckpt = tiny_ckpt("flash", 1)                  # a fresh clone has no models/tiny-flash
+    assert main(["--checkpoint", str(ckpt), "--tokens", "40", "--repeats", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     rows = {m[1]: (float(m[2]), int(m[3])) for m in re.finditer(r"^\| (\w+) \| ([\d.]+) \| (\d+) \|", out, re.M)}
     # 6 layers: one attention and one MoE each, mHC around both, one head for the last token
