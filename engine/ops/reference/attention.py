@@ -165,13 +165,10 @@ def csa_pick_width(position: int, ratio: int, topk: int) -> int:
 
 
 def csa_width_end(position: int, ratio: int, topk: int) -> int:
-    """The first position after ``position`` whose ``csa_pick_width`` differs (a large number when none)."""
-    n, unit = (position + 1) // ratio, max(1, topk // CSA_PICK_STEPS)
-    if n == 0:
-        return ratio - 1
-    if csa_pick_width(position, ratio, topk) == topk:
-        return 1 << 62
-    return (-(-n // unit) * unit + 1) * ratio - 1
+    """The first position after ``position`` whose ``csa_pick_width`` differs (a large number when
+    none): the one whose candidates outnumber the width."""
+    width = csa_pick_width(position, ratio, topk)
+    return 1 << 62 if width == topk else (width + 1) * ratio - 1
 
 
 def leading_picks(topk_idx: torch.Tensor, width: int) -> torch.Tensor:
