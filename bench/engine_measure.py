@@ -19,23 +19,25 @@ HEAD = "lm_head"               # profiler label of model.logits
 
 
 # ---- state -------------------------------------------------------------------------------------
-def synthetic_paged(model, context: int, generator: torch.Generator, headroom: int = 64):
-    """A ``PagedCache`` holding one request (id 0) as after prefilling ``context`` tokens, random
-    values: every pool filled with unit-scale normals (the entries, ring and compressor rows a
-    real prefill writes are all in there; the rest is never read). Room for ``headroom`` more."""
+def synthetic_paged(model, context: int, generator: torch.Generator, headroom: int = 64, requests: int = 1):
+    """A ``PagedCache`` holding ``requests`` requests (ids 0 ..) each as after prefilling ``context``
+    tokens, random values: every pool filled with unit-scale normals (the entries, ring and
+    compressor rows a real prefill writes are all in there; the rest is never read). Room for
+    ``headroom`` more tokens each."""
     from engine.core.block_manager import CacheConfig, Geometry
     from engine.core.kv_cache import PagedCache
     from engine.config import CSA_RATIO
 
     g = Geometry.of(model.args, 128)
     n = context + headroom
-    cache = PagedCache(model.args, CacheConfig(128, 1, {p: max(1, g.blocks_needed(p, n)) for p in ("c4", "c128")}),
-                       model.dtype, model.embed.weight.device)
-    held = cache.allocate(0, n)
+    blocks = {p: max(1, g.blocks_needed(p, n)) * requests for p in ("c4", "c128")}
+    cache = PagedCache(model.args, CacheConfig(128, requests, blocks), model.dtype, model.embed.weight.device)
+    held = [cache.allocate(i, n) for i in range(requests)]
     for t in cache.tensors():
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     if context < CSA_RATIO:                         # no CSA window closed yet: overlap weights still 0
-        cache.reset_slot(held.state_slot)
+        for h in held:
+            cache.reset_slot(h.state_slot)
     return cache
 
 
