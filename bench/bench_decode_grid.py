@@ -17,16 +17,19 @@ decodes one token for each, hidden states plus logits, two ways:
 Median ms of ``--steps`` steps after one warm-up step, each step one position further. ``limit``
 is max(bytes moved / read bandwidth, FLOPs / GEMM peak) of ``bench.roofline.decode_cost`` with the
 machine probed for 2 s; ``bound`` says which term is larger. ``max |dlogit|`` is the largest
-difference between the two ways' logits at the first timed step (same state, same tokens). HF
+difference between the two ways' logits at the warm-up step (the same state and tokens bit for
+bit). HF
 transformers has no paged batched decode: its single-sequence step is ``dsv4-bench engine``'s HF
 column (docs/benchmarks.md).
 
-Contexts default just under 1K / 32K / 128K so that C + steps stays inside the bucket of that
-size (a step's cost follows its context bucket, ``engine.core.model_runner``).
+Contexts default just under 1K / 32K / 128K so that C + steps + 1 tokens stay inside the bucket of
+that size (a step's cost follows its context bucket, ``engine.core.model_runner``; every graph
+step of a cell runs at the bucket of its last one).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -73,21 +76,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _timed(step, steps: int) -> tuple[float, torch.Tensor]:
-    """Median ms of ``steps`` calls of ``step(i)`` after ``step(0)``; the first timed call's output."""
-    step(0)
-    times, first = [], None
+    """Median ms of ``steps`` calls of ``step(i)`` (i = 1 ..) after the warm-up ``step(0)``, and the
+    warm-up's output (the one call whose inputs both ways share bit for bit: later steps read the
+    rows each way wrote with its own numerics)."""
+    first = step(0)
+    times = []
     for i in range(1, steps + 1):
         t = time.perf_counter()
-        out = step(i)
+        step(i)
         times.append(time.perf_counter() - t)
-        first = out if first is None else first
     return statistics.median(times) * 1e3, first
 
 
 def measure(eager_model, graph_model, B: int, C: int, steps: int, max_model_len: int, hw: dict,
-            compile: bool = True) -> dict:
+            compiled: bool = True) -> dict:
     """One grid cell: ``eager_ms``, ``captured_ms``, ``limit_ms``, ``bound``, ``compile_s``,
-    ``max_dlogit``. ``compile`` False: the graph step runs uncompiled (``DecodeRunner.use_eager``)."""
+    ``max_dlogit`` (largest |logit difference| at the shared first step, fp32). ``compiled``
+    False: the graph step runs uncompiled (``DecodeRunner.use_eager``). Every graph step of the
+    cell runs at the context bucket of its last step's ``C + steps + 1`` tokens, so no compile
+    lands in a timed step."""
     from bench import roofline as R
     from bench.engine_measure import synthetic_paged
     from engine.core.model_runner import DecodeRunner, ExecConfig
@@ -96,38 +103,44 @@ def measure(eager_model, graph_model, B: int, C: int, steps: int, max_model_len:
     def fresh(model):
         return synthetic_paged(model, C, torch.Generator().manual_seed(C), headroom=steps + 2, requests=B)
 
+    # step i feeds toks[i]: [steps + 1, B] token ids, the same both ways
     toks = torch.randint(2, eager_model.args.vocab_size, (steps + 1, B), generator=torch.Generator().manual_seed(B))
-    cache = fresh(eager_model)
 
-    def eager(i: int) -> torch.Tensor:
-        states = [cache.sequence_state(r, C + i) for r in range(B)]
-        return eager_model.logits(eager_model.forward_batch(toks[i], states, [1] * B))
+    def run_eager():
+        cache = fresh(eager_model)
 
-    e_ms, e_out = _timed(eager, steps)
-    del cache
-    def graph_runner(cache) -> DecodeRunner:
+        def eager(i: int) -> torch.Tensor:
+            states = [cache.sequence_state(r, C + i) for r in range(B)]
+            return eager_model.logits(eager_model.forward_batch(toks[i], states, [1] * B))
+        return _timed(eager, steps)
+
+    def run_graph(timed: bool):
+        """The compile of the cell's bucket (seconds), or the timed steps: each on a fresh copy of
+        the same random state (the compile's step writes position C)."""
+        cache = fresh(graph_model)
         runner = DecodeRunner(graph_model, cache, max_model_len, B, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-        if not compile:
+        if not compiled:
             runner.use_eager()
-        return runner
+        held = [cache.seqs[r] for r in range(B)]
+        bucket = runner.context_bucket(C + steps + 1)
 
-    cache = fresh(graph_model)
-    runner = graph_runner(cache)
-    held = [cache.seqs[r] for r in range(B)]
+        def captured(i: int) -> torch.Tensor:
+            rows = [([int(toks[i, r])], C + i, h.state_slot, h.tables) for r, h in enumerate(held)]
+            return graph_model.logits(runner.step(rows, B, bucket)[:B])
+        if timed:
+            return _timed(captured, steps)
+        t = time.perf_counter()
+        captured(0)
+        return time.perf_counter() - t
 
-    def captured(i: int) -> torch.Tensor:
-        rows = [([int(toks[i, r])], C + i, h.state_slot, h.tables) for r, h in enumerate(held)]
-        return graph_model.logits(runner.run(rows))
-
-    t = time.perf_counter()
-    captured(0)                                      # the compile of this bucket, not timed below
-    compile_s = time.perf_counter() - t
-    # the warm-up wrote position C: rewind by rebuilding the same random state
-    del runner, cache
-    cache = fresh(graph_model)
-    runner = graph_runner(cache)
-    held = [cache.seqs[r] for r in range(B)]
-    c_ms, c_out = _timed(captured, steps)
+    # each run's pools are freed before the next is filled: a StaticDecoder refers to itself, so
+    # only a collection frees them (2 GiB at batch 32 x 128K on tiny flash)
+    e_ms, e_out = run_eager()
+    gc.collect()
+    compile_s = run_graph(timed=False)
+    gc.collect()
+    c_ms, c_out = run_graph(timed=True)
+    gc.collect()
     cost = R.decode_cost(eager_model.args, B, C + steps // 2, eager_model.dtype)
     lim = R.limit(cost, hw, eager_model.dtype)
     return {"batch": B, "context": C, "eager_ms": round(e_ms, 2), "captured_ms": round(c_ms, 2),
@@ -136,6 +149,7 @@ def measure(eager_model, graph_model, B: int, C: int, steps: int, max_model_len:
 
 
 def table(rows: list[dict], ckpt: str, hw: dict, compiled: bool = True) -> str:
+    """``measure``'s rows as a markdown table under a line naming the checkpoint, threads and probe."""
     lines = [f"decode step (hidden + logits{'' if compiled else '; graph step uncompiled'}), {Path(ckpt).name}, "
              f"{torch.get_num_threads()} threads; probe: "
              f"{hw['read_gbs']:.1f} GB/s read, {hw['gemm_gflops']['float32']:.0f} GFLOP/s fp32; median ms",
@@ -149,10 +163,12 @@ def table(rows: list[dict], ckpt: str, hw: dict, compiled: bool = True) -> str:
 
 
 def main(argv=None) -> int:
+    """The grid on ``--ckpt``: 0, or 2 on a bad flag / checkpoint (named on stderr)."""
     a = parse_args(argv)
     from bench import roofline as R
     from engine.checkpoint.loader import load_model
     from engine.checkpoint.shards import CheckpointError
+    from engine.config import ConfigError
     from engine.ops import ops_for
     from engine.ops.cpu import prepare
 
@@ -165,7 +181,7 @@ def main(argv=None) -> int:
     try:
         eager_model = load_model(a.ckpt, progress=False, ops=ops_for("cpu"))
         graph_model = load_model(a.ckpt, progress=False, ops=ops_for("cpu", compiled=True))
-    except CheckpointError as e:
+    except (CheckpointError, ConfigError) as e:
         print(f"bench_decode_grid: error: --ckpt {a.ckpt!r}: {e}", file=sys.stderr)
         return 2
     prepare(graph_model)
