@@ -3,7 +3,8 @@ beside the hardware limit (issue 25's benchmark grid).
 
     python -m bench.bench_decode_grid [--ckpt DIR] [--batch-sizes 1,8,32]
                                       [--contexts 1000,32000,128000] [--steps 4]
-                                      [--threads N] [--max-model-len 1048576] [--json]
+                                      [--threads N] [--max-model-len 1048576] [--no-compile]
+                                      [--json]
 
 For each (batch B, context C): B requests on a synthetic paged state (``engine_measure.
 synthetic_paged``: the pools as after a C-token prefill, random values), then the step that
@@ -11,15 +12,14 @@ decodes one token for each, hidden states plus logits, two ways:
 
 - **eager**: ``Transformer.forward_batch`` with the reference ops (``exe_mode: eager``);
 - **captured**: the graph-mode step (``DecodeRunner`` at batch bucket B and the context bucket of
-  C + steps; on CPU inductor's per-layer-kind graphs and the CPU kernels, ``exe_mode:
+  C + steps + 1 tokens; on CPU inductor's per-layer-kind graphs and the CPU kernels, ``exe_mode:
   npugraph_ex``), compiled before it is timed.
 
 Median ms of ``--steps`` steps after one warm-up step, each step one position further. ``limit``
 is max(bytes moved / read bandwidth, FLOPs / GEMM peak) of ``bench.roofline.decode_cost`` with the
 machine probed for 2 s; ``bound`` says which term is larger. ``max |dlogit|`` is the largest
 difference between the two ways' logits at the warm-up step (the same state and tokens bit for
-bit). HF
-transformers has no paged batched decode: its single-sequence step is ``dsv4-bench engine``'s HF
+bit). HF transformers has no paged batched decode: its single-sequence step is ``dsv4-bench engine``'s HF
 column (docs/benchmarks.md).
 
 Contexts default just under 1K / 32K / 128K so that C + steps + 1 tokens stay inside the bucket of
