@@ -53,7 +53,8 @@ class Leg:
     decode: Instance
     prefill: Instance | None = None
     state: LegState = LegState.RESERVING
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)   # (op, message) from the reader tasks
+    # (kind, server.protocol message) from the reader tasks, or ("lost", {"role", "addr", "why"})
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     grace_until: float | None = None    # prefill lost after token #1: decode may still get the commit until
     grace_loss: dict | None = None      # ... then this loss ends the attempt
     lease_s: float = 60.0               # decode's lease of the reservation (s) ...

@@ -12,7 +12,8 @@ One DEALER socket per instance (CURVE with a cluster secret), and three I/O task
   went unanswered, or whose step has run longer than that, gets no new samples. A new
   ``instance_id`` in a pong means the process behind the address restarted: legs on the old
   process are lost.
-- every other message is handed to ``deliver(rid, op, msg)`` (``out`` batches split per sample).
+- every reply about a sample is read into its ``server.protocol`` class and handed to
+  ``deliver(rid, kind, message)`` (``out`` batches split into their ``OutItem`` per sample).
 
 An abort that cannot be sent (the instance is disconnected: a blip) is kept and sent when the
 connection is back, with a ping at once, so no work is orphaned there and samples waiting for a
@@ -32,7 +33,9 @@ from zmq.utils.monitor import parse_monitor_message
 from kvtransfer.secure import cluster_keys, secure_client
 from server.backends.base import BackendError
 from server.backends.instances import Instance
-from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
+from server.heartbeat import set_heartbeat
+from server.protocol import (MAX_MESSAGE_BYTES, REPLIES, Abort, Kind, Message, MessageError, Out, Ping, kind_of,
+                             read, unpack)
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +48,14 @@ class WorkerLinks:
 
     Args:
         prefill_addrs / decode_addrs: ``host:port`` of each instance's request endpoint.
-        deliver: called as ``(rid, op, msg)`` for each message about a sample.
+        deliver: called as ``(rid, kind, message)`` for each reply about a sample (``message``: its
+            ``server.protocol`` class; ``out``: one ``OutItem``).
         on_lost: called as ``(instance, why)`` when an instance disconnects or restarted.
         worker_timeout_s / health_interval_s / health_timeout_s / cluster_secret: as ``PDBackend``.
     """
 
     def __init__(self, prefill_addrs: list[str], decode_addrs: list[str],
-                 deliver: Callable[[str, str, dict], None], on_lost: Callable[[Instance, str], None],
+                 deliver: Callable[[str, Kind, object], None], on_lost: Callable[[Instance, str], None],
                  worker_timeout_s: float = 5.0, health_interval_s: float = 0.5, health_timeout_s: float = 30.0,
                  cluster_secret: str | None = None):
         self.ctx = zmq.asyncio.Context()
@@ -67,7 +71,7 @@ class WorkerLinks:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IMMEDIATE, 1)          # no queueing towards an instance that is not connected
-        s.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         set_heartbeat(s, self.worker_timeout_s)
         s.setsockopt(zmq.RECONNECT_IVL, 100)
         s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -99,30 +103,30 @@ class WorkerLinks:
         return [i for i in self.instances if i.role == role and i.healthy(self.max_unanswered)]
 
     # ---- sending -------------------------------------------------------------------------------
-    async def send(self, inst: Instance, msg: dict) -> None:
+    async def send(self, inst: Instance, msg: Message) -> None:
         """Send ``msg`` to ``inst`` now. Raises BackendError 503 if it is unreachable (not connected)."""
         try:
-            await inst.sock.send(pack(msg), zmq.NOBLOCK)
+            await inst.sock.send(msg.pack(), zmq.NOBLOCK)
         except (zmq.Again, zmq.ZMQError) as e:
             raise BackendError(f"{inst.role} instance {inst.addr} is unreachable ({e})", 503) from None
 
     async def abort(self, inst: Instance, rid: str) -> None:
         """Abort ``rid`` on ``inst``; one that cannot be sent now (disconnected) is sent on reconnect."""
         try:
-            await self.send(inst, {"op": "abort", "rid": rid})
+            await self.send(inst, Abort(rid))
         except BackendError:
             inst.pending_aborts[rid] = None
             while len(inst.pending_aborts) > 1 << 16:          # the oldest are the least likely still running
                 del inst.pending_aborts[next(iter(inst.pending_aborts))]
 
-    async def send_quietly(self, inst: Instance, msg: dict) -> None:
+    async def send_quietly(self, inst: Instance, msg: Message) -> None:
         """Send ``msg`` if ``inst`` is reachable (a renewal, a ping: the next one will do)."""
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            await inst.sock.send(pack(msg), zmq.NOBLOCK)
+            await inst.sock.send(msg.pack(), zmq.NOBLOCK)
 
     # ---- I/O tasks -----------------------------------------------------------------------------
     async def _pinger(self) -> None:
-        ping = pack({"op": "ping"})
+        ping = Ping().pack()
         while True:
             for inst in self.instances:
                 was = inst.healthy(self.max_unanswered)
@@ -162,34 +166,34 @@ class WorkerLinks:
         aborts, inst.pending_aborts = inst.pending_aborts, {}
         for rid in aborts:
             await self.abort(inst, rid)         # dropped again (kept) if the connection went meanwhile
-        await self.send_quietly(inst, {"op": "ping"})
+        await self.send_quietly(inst, Ping())
 
     async def _reader(self, inst: Instance) -> None:
         while True:
             frame = await inst.sock.recv()
             try:
                 msg = unpack(frame)
+                kind = kind_of(msg)
+                inst.unanswered = 0                 # any message: its loop is alive
+                if kind is Kind.PONG:
+                    self._on_pong(inst, msg)
+                elif kind is Kind.OUT:
+                    for item in Out.read(msg).items:
+                        self.deliver(item.rid, kind, item)
+                elif kind in REPLIES and isinstance(rid := msg.get("rid"), str):
+                    self.deliver(rid, kind, read(REPLIES[kind], msg))
             except MessageError as e:
                 log.warning("gateway: bad message from %s %s: %s", inst.role, inst.addr, e)
-                continue
-            op = msg["op"]
-            inst.unanswered = 0                     # any message: its loop is alive
-            if op == "pong":
-                step_s = msg.get("step_s")          # answered during a step that has run this long
-                if isinstance(step_s, (int, float)) and 0 < step_s < 1e9:
-                    # a step past health_timeout_s counts as that many unanswered pings: a hung
-                    # step still takes the instance out of routing
-                    inst.unanswered = min(int(step_s / self.health_interval_s), 1 << 30)
-                iid = msg.get("instance_id")
-                if inst.instance_id is not None and iid != inst.instance_id:
-                    self.on_lost(inst, f"restarted (instance {inst.instance_id} -> {iid})")
-                inst.instance_id = iid
-                inst.load = msg
-            elif op == "out":
-                items = msg.get("items")
-                for item in items if isinstance(items, list) else []:
-                    rid = item.get("rid") if isinstance(item, dict) else None
-                    if isinstance(rid, str):
-                        self.deliver(rid, "out", item)
-            elif isinstance(rid := msg.get("rid"), str):
-                self.deliver(rid, op, msg)
+
+    def _on_pong(self, inst: Instance, msg: dict) -> None:
+        """Keep the pong's map as the instance's load (``instances`` reads its fields with defaults)."""
+        step_s = msg.get("step_s")                  # answered during a step that has run this long
+        if isinstance(step_s, (int, float)) and 0 < step_s < 1e9:
+            # a step past health_timeout_s counts as that many unanswered pings: a hung
+            # step still takes the instance out of routing
+            inst.unanswered = min(int(step_s / self.health_interval_s), 1 << 30)
+        iid = msg.get("instance_id")
+        if inst.instance_id is not None and iid != inst.instance_id:
+            self.on_lost(inst, f"restarted (instance {inst.instance_id} -> {iid})")
+        inst.instance_id = iid
+        inst.load = msg

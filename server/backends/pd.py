@@ -31,7 +31,7 @@ from server.backends.instances import Instance, incompatible_pairs, pair_mismatc
 from server.backends.leg import Leg, LegLost, LegState, LostMidStream
 from server.backends.links import WorkerLinks
 from server.backends.prefill_router import PrefillRouter
-from server.workers.rpc import pack, params_to_dict, unpack_sampled
+from server.protocol import Error, First, Kind, OutItem, Prefill, Renew, Reserve, Reserved, unpack_sampled
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,10 @@ class PDBackend:
                     leg.renewed_at = now
                     due.setdefault(leg.decode.addr, (leg.decode, []))[1].append(rid)
             for inst, rids in due.values():
-                await self.links.send_quietly(inst, {"op": "renew", "rids": rids})
+                await self.links.send_quietly(inst, Renew(rids))
 
-    def _deliver(self, rid: str, op: str, msg: dict) -> None:
+    def _deliver(self, rid: str, op: Kind, msg) -> None:
+        """A worker's reply about ``rid`` (a ``server.protocol`` message) -> its attempt's queue."""
         q = self._streams.get(rid)
         if q is not None:
             q.put_nowait((op, msg))
@@ -204,7 +205,7 @@ class PDBackend:
         if req.request_id in self._streams:
             raise BackendError(f"request id {req.request_id!r} is in use", 400)
         try:
-            pack({"prompt_ids": req.prompt_ids, "params": params_to_dict(req.params)})
+            Reserve(rid=req.request_id, prompt_ids=req.prompt_ids, params=req.params).pack()   # as it would travel
         except (OverflowError, ValueError, TypeError) as e:     # e.g. an integer beyond 64 bits
             raise BackendError(f"a request field does not fit the worker protocol: {e}", 400) from None
         attempt = migrations = 0
@@ -242,22 +243,21 @@ class PDBackend:
         leg = Leg(rid, dec)
         self._streams[rid], self._legs[rid] = leg.queue, leg
         try:
-            fields = {"params": params_to_dict(req.params), **({"output_ids": list(done)} if done else {})}
             t0 = time.monotonic()
-            dest = await self._reserve(leg, req, fields)
+            dest = await self._reserve(leg, req, done)
             room_s = time.monotonic() - t0          # waited for decode room: part of the queue time
-            first, early = await self._prefill(leg, req, fields, dest)
+            first, early = await self._prefill(leg, req, done, dest)
             leg.first_token()
-            tok = first["id"]
-            if first["done"]:                  # token #1 ended it: free decode's reservation now
+            tok = first.id
+            if first.done:                     # token #1 ended it: free decode's reservation now
                 leg.finished()
                 await self.links.abort(dec, rid)
-            yield TokenEvent([tok], unpack_sampled([tok], first.get("lps")), bool(first["done"]), first.get("reason"),
-                             len(req.prompt_ids), None if done or first.get("queue_s") is None
-                             else room_s + first["queue_s"], num_cached_tokens=first["cached"] if isinstance(first.get("cached"), int) else 0)
-            if first["done"]:
+            yield TokenEvent([tok], unpack_sampled([tok], first.lps), bool(first.done), first.reason,
+                             len(req.prompt_ids), None if done or first.queue_s is None else room_s + first.queue_s,
+                             num_cached_tokens=first.cached if isinstance(first.cached, int) else 0)
+            if first.done:
                 return
-            pending = [("out", m) for m in early]
+            pending = [(Kind.OUT, m) for m in early]
             while True:
                 op, msg = pending.pop(0) if pending else await self._next(leg, req.deadline)
                 ev = self._on_decode(leg, op, msg, len(req.prompt_ids))
@@ -274,57 +274,61 @@ class PDBackend:
                 await self.links.abort(inst, rid)
 
     @staticmethod
-    def _left(deadline: float | None) -> dict:
-        """``{"deadline_s": seconds the sample may still run}`` for a worker message ({}: no deadline)."""
-        return {} if deadline is None else {"deadline_s": max(0.001, deadline - time.monotonic())}
+    def _left(deadline: float | None) -> float | None:
+        """Seconds the sample may still run, for a worker message's ``deadline_s`` (None: no deadline)."""
+        return None if deadline is None else max(0.001, deadline - time.monotonic())
 
-    async def _reserve(self, leg: Leg, req: GenRequest, fields: dict) -> str:
-        """RESERVING: decode reserves the sample's state. Returns the reservation's state address.
+    async def _reserve(self, leg: Leg, req: GenRequest, done: list[int]) -> str:
+        """RESERVING: decode reserves the sample's state (continuing after ``done``, the tokens
+        delivered so far). Returns the reservation's state address.
         Raises LegLost (decode lost, or draining), BackendError (decode refused: its status)."""
         dec = leg.decode
-        await self.links.send(dec, {"op": "reserve", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
-                               "lease_s": self.lease_s, **self._left(req.deadline)})
+        await self.links.send(dec, Reserve(rid=leg.rid, prompt_ids=req.prompt_ids, params=req.params,
+                                           output_ids=list(done), lease_s=self.lease_s,
+                                           deadline_s=self._left(req.deadline)))
         op, msg = await self._get(leg.queue, self.queue_timeout_s, f"decode {dec.addr} to reserve state (queued)",
                                   req.deadline)
         if op == "lost":
             raise leg.lost(msg)
-        if op == "error" and msg.get("retry"):      # draining: refused before it knew; go elsewhere
+        if op is Kind.ERROR and msg.retry:          # draining: refused before it knew; go elsewhere
             dec.load["ready"] = False
-            raise LegLost(f"decode instance {dec.addr}: {msg.get('message')}")
-        if op != "reserved":
-            raise BackendError(msg.get("message", f"decode answered {op}"), int(msg.get("status", 502)))
-        lease = msg.get("lease_s")                  # decode's (it keeps the shorter of its own and ours)
+            raise LegLost(f"decode instance {dec.addr}: {msg.message}")
+        if op is Kind.ERROR:
+            raise _refused(msg, f"decode answered {op}")
+        if not isinstance(msg, Reserved):
+            raise BackendError(f"decode answered {op}", 502)
+        lease = msg.lease_s                         # decode's (it keeps the shorter of its own and ours)
         leg.lease_s = float(lease) if isinstance(lease, (int, float)) and lease > 0 else self.lease_s
         leg.renewed_at = time.monotonic()
-        return msg["state_addr"]
+        return msg.state_addr
 
-    async def _prefill(self, leg: Leg, req: GenRequest, fields: dict, dest: str) -> tuple[dict, list[dict]]:
+    async def _prefill(self, leg: Leg, req: GenRequest, done: list[int], dest: str) -> tuple[First, list[OutItem]]:
         """PREFILLING: a prefill instance that pairs with the leg's decode (chosen now, when the
         state has a place, by ``router``) computes the prompt into ``dest``. Returns its ``first``
         message (token #1) and decode's ``out`` messages that overtook it (two sockets).
         Raises LegLost / BackendError."""
-        pre = await self._pick_within("prefill", leg.decode, req.prompt_ids + fields.get("output_ids", []))
+        pre = await self._pick_within("prefill", leg.decode, req.prompt_ids + done)
         if pre is None:
             raise BackendError("no healthy prefill instance", 503)
         leg.prefill_on(pre)
-        await self.links.send(pre, {"op": "prefill", "rid": leg.rid, "prompt_ids": req.prompt_ids, **fields,
-                               "dest": dest, **self._left(req.deadline)})
+        await self.links.send(pre, Prefill(rid=leg.rid, prompt_ids=req.prompt_ids, params=req.params,
+                                           output_ids=list(done), dest=dest, deadline_s=self._left(req.deadline)))
         early = []
         while True:
             op, msg = await self._get(leg.queue, self.first_token_timeout_s, f"prefill {pre.addr}", req.deadline)
-            if op == "first":
+            if op is Kind.FIRST:
                 return msg, early
             if op == "lost":
                 raise leg.lost(msg)
-            if op == "error" and msg.get("retry"):
+            if op is Kind.ERROR and msg.retry:
                 pre.load["ready"] = False
-                raise LegLost(f"prefill instance {pre.addr}: {msg.get('message')}")
-            if op == "error":
-                raise BackendError(msg.get("message", "prefill failed"), int(msg.get("status", 502)))
-            if op == "out":
+                raise LegLost(f"prefill instance {pre.addr}: {msg.message}")
+            if op is Kind.ERROR:
+                raise _refused(msg, "prefill failed")
+            if op is Kind.OUT:
                 early.append(msg)
 
-    async def _next(self, leg: Leg, deadline: float | None) -> tuple[str, dict]:
+    async def _next(self, leg: Leg, deadline: float | None) -> tuple[str, object]:
         """The attempt's next event after token #1. While a lost prefill's grace runs (decode may
         still get the commit), its expiry raises that loss."""
         if leg.grace_until is None:
@@ -336,21 +340,25 @@ class PDBackend:
                 raise
             raise leg.lost(leg.grace_loss) from None
 
-    def _on_decode(self, leg: Leg, op: str, msg: dict, num_prompt: int) -> TokenEvent | None:
+    def _on_decode(self, leg: Leg, op: str, msg, num_prompt: int) -> TokenEvent | None:
         """TRANSFERRING / DECODING: one event from the workers -> the tokens to deliver (None: none).
         Raises BackendError (decode failed, or lost mid-stream)."""
-        if op == "out":
+        if op is Kind.OUT:
             leg.committed()                     # decode runs it: the state was committed
-            ids = list(msg.get("ids") or [])
-            return TokenEvent(ids, unpack_sampled(ids, msg.get("lps")), bool(msg.get("done")), msg.get("reason"),
-                              num_prompt)
-        if op == "error":
-            raise BackendError(msg.get("message", "decode failed"), int(msg.get("status", 502)))
+            ids = list(msg.ids or [])
+            return TokenEvent(ids, unpack_sampled(ids, msg.lps), bool(msg.done), msg.reason, num_prompt)
+        if op is Kind.ERROR:
+            raise _refused(msg, "decode failed")
         if op == "lost":
             if msg["role"] != "prefill":
                 raise leg.lost(msg)
             if leg.state is LegState.TRANSFERRING:      # wait briefly for decode's first tokens
                 leg.grace_until, leg.grace_loss = time.monotonic() + self.worker_timeout_s, msg
-        elif op == "transferred":
+        elif op is Kind.TRANSFERRED:
             leg.committed()
         return None
+
+
+def _refused(err: Error, default: str) -> BackendError:
+    """The BackendError of a worker's ``error`` (its status, else 502; its message, else ``default``)."""
+    return BackendError(err.message if err.message is not None else default, int(err.status))

@@ -9,7 +9,7 @@ wake-up socket that the state receiver (decode: a state message arrived) and the
 path waits for a timer; the poll timeout is only the next deadline (a sample's, a lease's, capped
 at ``idle_poll_ms``).
 
-Liveness towards the gateway is ZMTP heartbeats (``messages.set_heartbeat``), answered by
+Liveness towards the gateway is ZMTP heartbeats (``server.heartbeat``), answered by
 libzmq's I/O thread even during a long step; load reports (``ping`` -> ``pong``) are answered
 between steps, and during a long one by ``StepPings``'s helper thread. ``begin_drain``
 (SIGTERM) turns ``/ready`` false and refuses new samples with 503; the loop ends once in-flight
@@ -35,11 +35,12 @@ from engine.run_config import DEFAULT_MODEL_NAME
 from engine.core.request import RequestOutput
 from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
+from server.heartbeat import set_heartbeat
 from server.metrics import WorkerMetrics
+from server.protocol import MAX_MESSAGE_BYTES, Error, Kind, Message, MessageError, Pong, Probe, kind_of, unpack
 from server.workers.http import serve_http
-from server.workers.loop_calls import LoopCalls
 from server.workers.layout import state_fingerprint
-from server.workers.rpc import MessageError, pack, set_heartbeat, unpack
+from server.workers.loop_calls import LoopCalls
 from server.workers.step_pings import StepPings
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class Worker:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         set_heartbeat(self.sock, opts.heartbeat_timeout_s)
         secure_server(self.sock, opts.cluster_secret)     # before bind; no-op without a secret
         self.sock.bind(f"tcp://{opts.host}:{opts.port}")
@@ -127,7 +128,12 @@ class Worker:
         raise NotImplementedError
 
     def extra_load(self) -> dict:
+        """The role's own ``Pong`` fields (decode: state_addr, queued; prefill: queued_tokens)."""
         return {}
+
+    def num_queued(self) -> int:
+        """Samples waiting outside the engine for room (decode: for a reservation)."""
+        return 0
 
     def next_timer(self) -> float | None:
         """Monotonic time (s) of the subclass's next timed event (decode: a lease ends), or None."""
@@ -225,30 +231,32 @@ class Worker:
             return self.opts.idle_poll_ms
         return max(0, min(self.opts.idle_poll_ms, int((t - time.monotonic()) * 1000) + 1))
 
-    def reply(self, identity: bytes, msg: dict) -> bool:
+    def reply(self, identity: bytes, msg: Message) -> bool:
         """Send to a gateway connection; False (logged) if it is gone, whose samples are then
         aborted (``owner_gone``: a pong every ping period finds a dead gateway within one)."""
         try:
-            self.sock.send_multipart([identity, pack(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([identity, msg.pack()], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             now = time.monotonic()
             if now - self._last_gone_log >= 10:
-                log.warning("%s: reply %s to a gone gateway connection: %s", self.role, msg.get("op"), e)
+                log.warning("%s: reply %s to a gone gateway connection: %s", self.role, msg.KIND.value, e)
                 self._last_gone_log = now
             self.owner_gone(identity)
             return False
 
-    def load(self) -> dict:
+    def load(self) -> Pong:
+        """The load report (``ping``'s answer; ``/ready``'s body). Reads engine state only, so the
+        HTTP thread and ``StepPings`` may call it too."""
         e = self.engine
         free, total = e.num_free_blocks(), e.num_total_blocks()
         used = self._kv_usage(free, total)
-        return {"op": "pong", "role": self.role, "instance_id": self.instance_id, "ready": self.ready,
-                "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                "reserved": len(e.reserved), "batch_size": e.limits.batch_size, "kv_usage": used,
-                "free_blocks": free, "total_blocks": total, "max_model_len": e.limits.max_model_len,
-                "prefix_caching": self.prefix_cache is not None,
-                "fingerprint": self.fingerprint, "handshake": self.handshake, **self.extra_load()}
+        return Pong(role=self.role, instance_id=self.instance_id, ready=self.ready,
+                    running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+                    reserved=len(e.reserved), batch_size=e.limits.batch_size, kv_usage=used,
+                    free_blocks=free, total_blocks=total, max_model_len=e.limits.max_model_len,
+                    prefix_caching=self.prefix_cache is not None,
+                    fingerprint=self.fingerprint, handshake=self.handshake, **self.extra_load())
 
     def _drain_requests(self) -> None:
         for parts in self.step_pings.take_kept():      # arrived during the last step: first, in order
@@ -270,7 +278,7 @@ class Worker:
         msg = None
         try:
             msg = unpack(frame)
-            if msg["op"] == "ping":
+            if kind_of(msg) is Kind.PING:
                 self.reply(identity, self.load())
             else:
                 self.handle(identity, msg)
@@ -279,13 +287,12 @@ class Worker:
                 log.exception("%s: request %s failed", self.role, str(msg)[:200])
             self._bad_request(f"{type(e).__name__}: {e}")
             rid = msg.get("rid") if isinstance(msg, dict) else None
-            self.reply(identity, {"op": "error", "rid": rid if isinstance(rid, str) else None, "status": 400,
-                                  "message": f"{e}"[:1000]})
+            self.reply(identity, Error(rid=rid if isinstance(rid, str) else None, status=400, message=f"{e}"[:1000]))
 
     def update_gauges(self) -> None:
         e, m = self.engine, self.metrics
         m.running.set(len(e.scheduler.running))
-        m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + len(getattr(self, "queued", ())))
+        m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + self.num_queued())
         m.kv_usage.set(self._kv_usage(e.num_free_blocks(), e.num_total_blocks()))
 
     def _kv_usage(self, free: dict, total: dict) -> float:
@@ -339,7 +346,7 @@ class Worker:
                     last_gauges = now
                 if now - last_probe > 1.0:
                     for owner in self.gateway_connections():
-                        self.reply(owner, {"op": "probe"})
+                        self.reply(owner, Probe())
                     last_probe = now
         finally:
             self.ready = False

@@ -13,20 +13,58 @@ batch, and the drafts its first verify step checks.
 """
 from __future__ import annotations
 
+import enum
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass
 
 from engine.core.block_manager import CacheFullError
 from engine.core.llm_engine import LLMEngine, RequestError
-from engine.core.sampling_params import SamplingError
+from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.request import RequestOutput
 from kvtransfer import make_receiver
 from kvtransfer.receiver import Action, TransferReceiver
+from server.protocol import (Error, Kind, MessageError, Out, OutItem, Renew, Reserve, Reserved, check_rid,
+                             kind_of, pack_sampled)
 from server.workers.base import Worker, WorkerOptions
-from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 
 log = logging.getLogger(__name__)
+
+
+class SampleState(enum.Enum):
+    QUEUED = 1       # waiting (FIFO) for state slots and a batch place
+    RESERVED = 2     # slots reserved; the state is on its way (its lease runs in ``table``)
+    RUNNING = 3      # committed: in the running batch
+
+
+@dataclass(eq=False)
+class DecodeSample:
+    """One sample held here, from ``reserve`` until it finishes, fails or is aborted.
+
+    rid: its transfer id. owner: the gateway connection (ROUTER identity) its replies go to.
+    prompt_ids / output_ids: token ids (output_ids: what a migrated stream already delivered).
+    params: its sampling settings. lease_s: the reservation's lease (s). arrival: when ``reserve``
+    came (monotonic s; its queue time runs from there). state: where it stands.
+    """
+
+    rid: str
+    owner: bytes
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    lease_s: float
+    arrival: float
+    state: SampleState = SampleState.QUEUED
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.params.logprobs is not None
+
+    @property
+    def num_before(self) -> int:
+        """Output tokens made before decode: ``output_ids`` and token #1 from prefill."""
+        return len(self.output_ids) + 1
 
 
 class DecodeWorker(Worker):
@@ -43,13 +81,20 @@ class DecodeWorker(Worker):
         self.receiver.set_notify(self.wake)      # a state message wakes the loop (no polling timer)
         self.table = TransferReceiver(self.receiver, self.fingerprint, len(engine.model.layers),
                                       f"decode instance {self.instance_id}")
-        self.owners: dict[str, bytes] = {}       # rid -> gateway connection
-        self.emit: dict[str, tuple[bool, int]] = {}   # rid -> (logprobs wanted, outputs made before decode)
+        self.samples: dict[str, DecodeSample] = {}        # rid -> the sample, queued, reserved or running
+        self.queue: deque[DecodeSample] = deque()         # the queued ones, oldest first
         self.transfers: OrderedDict[str, dict] = OrderedDict()   # last 1024 committed: bytes, seconds
-        self.queued: OrderedDict[str, tuple] = OrderedDict()     # rid -> (identity, prompt, outs, params, lease, arrival)
+
+    @property
+    def owners(self) -> dict[str, bytes]:
+        """rid -> gateway connection of every sample held here."""
+        return {rid: s.owner for rid, s in self.samples.items()}
 
     def extra_load(self) -> dict:
-        return {"state_addr": self.state_addr, "queued": len(self.queued)}
+        return {"state_addr": self.state_addr, "queued": len(self.queue)}
+
+    def num_queued(self) -> int:
+        return len(self.queue)
 
     def next_timer(self) -> float | None:
         """The earliest lease end of a reservation whose state has not been committed."""
@@ -57,95 +102,91 @@ class DecodeWorker(Worker):
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
-        op, rid = msg["op"], msg.get("rid")
-        if op == "renew":
-            self._renew(identity, msg.get("rids"))
+        kind = kind_of(msg)
+        if kind is Kind.RENEW:
+            self._renew(identity, Renew.from_map(msg))
             return
-        if not isinstance(rid, str):
-            raise MessageError("rid: expected a string")
-        if op == "reserve":
+        rid = check_rid(msg)
+        if kind is Kind.RESERVE:
             if self.draining:
-                self.reply(identity, {"op": "error", "rid": rid, "status": 503, "retry": True,
-                                      "message": "decode worker is draining (shutting down)"})
+                self.reply(identity, Error(rid=rid, status=503, retry=True,
+                                           message="decode worker is draining (shutting down)"))
                 return
-            self._reserve(identity, rid, msg)
-        elif op == "abort":
+            self._reserve(identity, msg)
+        elif kind is Kind.ABORT:
             self._abort(rid)
         else:
-            raise MessageError(f"op: {op!r} is not a decode operation")
+            raise MessageError(f"op: {msg['op']!r} is not a decode operation")
 
-    def _reserve(self, identity: bytes, rid: str, msg: dict) -> None:
-        prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
-        outs = check_ids(msg.get("output_ids", []), "output_ids")     # a migrated stream's tokens so far
-        lease = msg.get("lease_s", self.opts.lease_s)
-        if not isinstance(lease, (int, float)) or not 0 < lease <= 3600:
-            raise MessageError("lease_s: expected seconds in (0, 3600]")
-        lease = min(float(lease), self.opts.lease_s)     # the shorter of the gateway's and this worker's
-        deadline_s = check_deadline(msg)
+    def _reserve(self, identity: bytes, msg: dict) -> None:
+        rid = msg["rid"]
         try:
-            params = params_from_dict(msg.get("params"))
-            if self.table.is_known(rid) or rid in self.queued:
+            req = Reserve.from_map(msg)          # MessageError: answered 400 by ``Worker._handle_frames``
+            if self.table.is_known(rid) or rid in self.samples:
                 raise RequestError(f"rid: {rid!r} was already used (transfer ids are never reused)")
-            if self.queued:                            # FIFO: nobody overtakes the queue
+            # the shorter of the gateway's lease and this worker's
+            lease = self.opts.lease_s if req.lease_s is None else min(req.lease_s, self.opts.lease_s)
+            sample = DecodeSample(rid, identity, req.prompt_ids, req.output_ids, req.params, float(lease),
+                                  time.monotonic())
+            if self.queue:                             # FIFO: nobody overtakes the queue
                 raise CacheFullError("queue not empty")
-            self.engine.reserve(rid, prompt, params, outs)
+            self.engine.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
         except (RequestError, SamplingError) as e:
-            self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+            self.reply(identity, Error(rid=rid, status=400, message=str(e)))
             return
         except CacheFullError as e:
-            if len(self.queued) >= self.opts.max_queued:
-                self.reply(identity, {"op": "error", "rid": rid, "status": 429,
-                                      "message": f"decode is full and {len(self.queued)} samples wait: {e}"})
+            if len(self.queue) >= self.opts.max_queued:
+                self.reply(identity, Error(rid=rid, status=429,
+                                           message=f"decode is full and {len(self.queue)} samples wait: {e}"))
             else:
-                self.queued[rid] = (identity, prompt, outs, params, float(lease), time.monotonic())
-                self.owners[rid] = identity
-                self.track_deadline(rid, deadline_s)
+                self.samples[rid] = sample
+                self.queue.append(sample)
+                self.track_deadline(rid, req.deadline_s)
             return
-        self.track_deadline(rid, deadline_s)
+        self.track_deadline(rid, req.deadline_s)
         self.metrics.queue.observe(0.0)
-        self._reserved(identity, rid, prompt, outs, params, float(lease))
+        self._reserved(sample)
 
-    def _renew(self, identity: bytes, rids) -> None:
+    def _renew(self, identity: bytes, msg: Renew) -> None:
         """The gateway still waits for these reservations' state (their prefill is queued or
         computing): each lease restarts. Ids not pending for this connection are ignored."""
-        if not isinstance(rids, list) or len(rids) > 1 << 16 or not all(isinstance(r, str) for r in rids):
-            raise MessageError("rids: expected a list of transfer ids")
-        for rid in rids:
+        for rid in msg.rids:
             self.table.renew(rid, identity)
 
     def _admit_queued(self) -> None:
-        while self.queued:
-            rid, (identity, prompt, outs, params, lease, arrival) = next(iter(self.queued.items()))
+        while self.queue:
+            sample = self.queue[0]
+            rid = sample.rid
             try:
-                self.engine.reserve(rid, prompt, params, outs)
+                self.engine.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
             except CacheFullError:
                 return
             except RequestError as e:
-                del self.queued[rid]
-                self.owners.pop(rid, None)
-                self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+                self.queue.popleft()
+                del self.samples[rid]
+                self.reply(sample.owner, Error(rid=rid, status=400, message=str(e)))
                 continue
-            del self.queued[rid]                   # before any reply: a gone owner aborts what it holds
-            self.metrics.queue.observe(time.monotonic() - arrival)
-            self._reserved(identity, rid, prompt, outs, params, lease)
+            self.queue.popleft()                   # before any reply: a gone owner aborts what it holds
+            self.metrics.queue.observe(time.monotonic() - sample.arrival)
+            self._reserved(sample)
 
-    def _reserved(self, identity: bytes, rid: str, prompt: list[int], outs: list[int], params,
-                  lease: float) -> None:
-        self.table.expect(rid, len(prompt) + len(outs), lease, identity)
-        self.owners[rid] = identity
-        self.emit[rid] = (params.logprobs is not None, len(outs) + 1)     # + token #1 from prefill
-        self.reply(identity, {"op": "reserved", "rid": rid, "state_addr": self.state_addr,
-                              "instance_id": self.instance_id, "lease_s": lease})   # gone: aborted
+    def _reserved(self, sample: DecodeSample) -> None:
+        rid = sample.rid
+        self.table.expect(rid, len(sample.prompt_ids) + len(sample.output_ids), sample.lease_s, sample.owner)
+        sample.state = SampleState.RESERVED
+        self.samples[rid] = sample
+        self.reply(sample.owner, Reserved(rid=rid, state_addr=self.state_addr, instance_id=self.instance_id,
+                                          lease_s=sample.lease_s))   # gone: aborted
 
     def _abort(self, rid: str, reason: str = "abort") -> None:
-        if self.queued.pop(rid, None) is not None:
-            self.owners.pop(rid, None)
+        sample = self.samples.pop(rid, None)
+        if sample is not None and sample.state is SampleState.QUEUED:
+            self.queue.remove(sample)
             self.table.retire(rid)
             self.metrics.success(reason)
             return
-        if self.owners.pop(rid, None) is not None:
+        if sample is not None:
             self.metrics.success(reason)
-        self.emit.pop(rid, None)
         if self.table.retire(rid) is not None:
             self.engine.unreserve(rid)
         else:
@@ -156,42 +197,41 @@ class DecodeWorker(Worker):
         self.engine.unreserve(rid)
         self.metrics.transfer_failure(cause)
         self.metrics.success("error")
-        owner = self.owners.pop(rid, None)
-        self.emit.pop(rid, None)
-        if owner is not None:
-            self.reply(owner, {"op": "error", "rid": rid, "status": 502 if cause != "timeout" else 504,
-                               "message": f"state transfer failed ({cause}): {message}"})
+        sample = self.samples.pop(rid, None)
+        if sample is not None:
+            self.reply(sample.owner, Error(rid=rid, status=502 if cause != "timeout" else 504,
+                                           message=f"state transfer failed ({cause}): {message}"))
         if peer is not None:
             self.table.nack(peer, rid, cause, message)
 
     def _error(self, rid: str, status: int, message: str) -> None:
         """Fail ``rid`` (queued, reserved or running): ``error`` to its gateway, state freed."""
-        owner = self.owners.get(rid)
+        sample = self.samples.get(rid)
         self._abort(rid, "error")
-        if owner is not None:
-            self.reply(owner, {"op": "error", "rid": rid, "status": status, "message": message})
+        if sample is not None:
+            self.reply(sample.owner, Error(rid=rid, status=status, message=message))
 
     def on_deadline(self, rid: str) -> None:
-        if rid in self.owners:
+        if rid in self.samples:
             self._error(rid, 504, "the request's deadline passed (timeout) on the decode worker")
 
     def live_rids(self):
-        return self.owners
+        return self.samples
 
     def busy(self) -> bool:
-        return bool(self.owners or self.queued or self.table.pending) or self.engine.has_unfinished()
+        return bool(self.samples or self.table.pending) or self.engine.has_unfinished()
 
     def abort_all(self, status: int, message: str) -> None:
-        for rid in list(self.owners):
+        for rid in list(self.samples):
             self._error(rid, status, message)
         for rid in list(self.table.pending):
             self._abort(rid)
 
     def gateway_connections(self) -> set[bytes]:
-        return set(self.owners.values())
+        return {s.owner for s in self.samples.values()}
 
     def owner_gone(self, owner: bytes) -> None:
-        rids = [r for r, o in self.owners.items() if o == owner]
+        rids = [r for r, s in self.samples.items() if s.owner == owner]
         if rids:
             log.warning("decode: gateway connection gone: aborting %d samples", len(rids))
         for rid in rids:
@@ -203,7 +243,7 @@ class DecodeWorker(Worker):
             self._on_transfer(act)
         for p in self.table.expired():                # retired: a late write is fenced
             self._fail(p.transfer_id, "timeout", "no committed state within the lease")
-        if self.queued:                               # last: after whatever freed room above
+        if self.queue:                                # last: after whatever freed room above
             self._admit_queued()
 
     def _on_transfer(self, act: Action) -> None:
@@ -216,8 +256,7 @@ class DecodeWorker(Worker):
             self._fail(tid, act.cause, act.message, act.peer)
         elif act.kind == "cancel":
             self.engine.unreserve(tid)
-            self.owners.pop(tid, None)
-            self.emit.pop(tid, None)
+            self.samples.pop(tid, None)
         elif act.kind == "load":
             try:
                 self.engine.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
@@ -243,6 +282,8 @@ class DecodeWorker(Worker):
         except RequestError as e:
             self._fail(tid, "malformed", str(e), peer)
             return
+        if (sample := self.samples.get(tid)) is not None:
+            sample.state = SampleState.RUNNING
         secs = time.monotonic() - (pending.first_frame_time or time.monotonic())
         self.metrics.transfer_bytes.inc(pending.nbytes)
         self.metrics.transfer_time.observe(secs)
@@ -256,26 +297,24 @@ class DecodeWorker(Worker):
 
     # ---- outputs ---------------------------------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
-        batches: dict[bytes, list] = defaultdict(list)
+        batches: dict[bytes, list[OutItem]] = defaultdict(list)
         for out in outs:
             rid = out.request_id
-            owner = self.owners.get(rid)
-            if owner is None:
+            sample = self.samples.get(rid)
+            if sample is None:
                 continue
-            want_lps, before = self.emit.get(rid, (False, 1))
-            # tokens up to ``before`` came from prefill (and from the decode a migrated stream lost)
-            fresh = max(0, min(len(out.new_token_ids), out.num_output_tokens - before))
+            # the first ``num_before`` tokens came from prefill (and from the decode a migrated stream lost)
+            fresh = max(0, min(len(out.new_token_ids), out.num_output_tokens - sample.num_before))
             ids = list(out.new_token_ids[len(out.new_token_ids) - fresh:])
-            lps = pack_sampled(out.new_logprobs[-len(ids):] if ids else []) if want_lps else None
+            lps = pack_sampled(out.new_logprobs[-len(ids):] if ids else []) if sample.want_logprobs else None
             reason = out.finish_reason.value if out.finish_reason is not None else None
-            batches[owner].append({"rid": rid, "ids": ids, "lps": lps, "done": out.finished, "reason": reason})
+            batches[sample.owner].append(OutItem(rid=rid, ids=ids, lps=lps, done=out.finished, reason=reason))
             self.metrics.generation_tokens.inc(len(ids))
             if out.finished:
                 self.metrics.success(reason)
-                self.owners.pop(rid, None)
-                self.emit.pop(rid, None)
+                del self.samples[rid]
         for owner, items in batches.items():
-            self.reply(owner, {"op": "out", "items": items})     # a gone owner's samples are aborted
+            self.reply(owner, Out(items))     # a gone owner's samples are aborted
 
     def close(self) -> None:
         super().close()

@@ -59,7 +59,7 @@ def worker_app(w: Worker) -> FastAPI:
 
     @app.get("/ready")
     def ready():
-        body = {k: v for k, v in w.load().items() if k != "op"}
+        body = w.load().report()
         return JSONResponse(body, status_code=200 if w.ready else 503)
 
     @app.post("/reset_prefix_cache")

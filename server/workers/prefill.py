@@ -1,6 +1,6 @@
 """The prefill worker: runs chunked prefill, samples token #1, pushes the state to decode.
 
-Per sample (``{"op": "prefill", "rid", "prompt_ids", "params", "dest"}`` from the gateway):
+Per sample (``server.protocol.Prefill`` from the gateway):
 the engine prefills it (``hold_state``, one token), each layer's state is pushed to ``dest`` (the
 decode reservation's receiver) as soon as that layer is final, token #1 goes to the gateway the
 moment it is sampled (``first``), then a commit (or, if token #1 already ends the sample, a
@@ -16,13 +16,14 @@ import logging
 from dataclasses import dataclass
 
 from engine.core.llm_engine import LLMEngine, RequestError
-from engine.core.sampling_params import SamplingError
+from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.request import FinishReason, RequestOutput, finish_reason
 from kvtransfer import make_sender
 from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
+from server.protocol import (Error, First, Kind, MessageError, Prefill, Transferred, check_rid, kind_of,
+                             pack_sampled)
 from server.workers.base import Worker, WorkerOptions
-from server.workers.rpc import MessageError, check_deadline, check_ids, pack_sampled, params_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 class _Job:
     identity: bytes
     dest: str
-    params: object
+    params: SamplingParams
     num_tokens: int                      # prompt + outputs before this prefill (the state's L)
     num_before: int = 0                  # outputs a migrated stream had already delivered
     sent_layers: bool = False
@@ -54,29 +55,23 @@ class PrefillWorker(Worker):
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
-        op, rid = msg["op"], msg.get("rid")
-        if not isinstance(rid, str):
-            raise MessageError("rid: expected a string")
-        if op == "abort":
+        kind, rid = kind_of(msg), check_rid(msg)
+        if kind is Kind.ABORT:
             self._abort(rid)
-        elif op == "prefill":
+        elif kind is Kind.PREFILL:
             if self.draining:
-                self.reply(identity, {"op": "error", "rid": rid, "status": 503, "retry": True,
-                                      "message": "prefill worker is draining (shutting down)"})
+                self.reply(identity, Error(rid=rid, status=503, retry=True,
+                                           message="prefill worker is draining (shutting down)"))
                 return
-            self._prefill(identity, rid, msg)
+            self._prefill(identity, msg)
         else:
-            raise MessageError(f"op: {op!r} is not a prefill operation")
+            raise MessageError(f"op: {msg['op']!r} is not a prefill operation")
 
-    def _prefill(self, identity: bytes, rid: str, msg: dict) -> None:
-        prompt = check_ids(msg.get("prompt_ids"), "prompt_ids")
-        outs = check_ids(msg.get("output_ids", []), "output_ids")     # a migrated stream's tokens so far
-        dest = msg.get("dest")
-        if not isinstance(dest, str) or not dest:
-            raise MessageError("dest: expected the decode reservation's state address")
-        deadline_s = check_deadline(msg)
+    def _prefill(self, identity: bytes, msg: dict) -> None:
+        rid = msg["rid"]
         try:
-            params = params_from_dict(msg.get("params"))
+            req = Prefill.from_map(msg)          # MessageError: answered 400 by ``Worker._handle_frames``
+            params, prompt, outs = req.params, req.prompt_ids, req.output_ids   # outs: a migrated stream's
             one = dataclasses.replace(params, max_new_tokens=len(outs) + 1)    # one token past ``outs``
             if params.seed is None:
                 raise RequestError("params.seed: must be set (decode continues with it)")
@@ -86,10 +81,10 @@ class PrefillWorker(Worker):
                 raise RequestError(f"output_ids: {len(outs)} tokens already reach max_new_tokens")
             self.engine.add_request(rid, prompt, one, hold_state=True, output_ids=outs)
         except (RequestError, SamplingError) as e:
-            self.reply(identity, {"op": "error", "rid": rid, "status": 400, "message": str(e)})
+            self.reply(identity, Error(rid=rid, status=400, message=str(e)))
             return
-        self.jobs[rid] = _Job(identity, dest, params, len(prompt) + len(outs), len(outs))
-        self.track_deadline(rid, deadline_s)
+        self.jobs[rid] = _Job(identity, req.dest, params, len(prompt) + len(outs), len(outs))
+        self.track_deadline(rid, req.deadline_s)
 
     def on_deadline(self, rid: str) -> None:
         job = self.jobs.get(rid)
@@ -157,9 +152,9 @@ class PrefillWorker(Worker):
         if out.finish_reason is FinishReason.STOP:      # token #1 completed its grammar
             reason = FinishReason.STOP
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
-        if not self.reply(job.identity, {"op": "first", "rid": rid, "id": tok, "lps": lps, "done": reason is not None,
-                                         "reason": reason.value if reason else None, "queue_s": out.queue_time_s,
-                                         "cached": out.num_cached_tokens}):
+        if not self.reply(job.identity, First(rid=rid, id=tok, lps=lps, done=reason is not None,
+                                              reason=reason.value if reason else None, queue_s=out.queue_time_s,
+                                              cached=out.num_cached_tokens)):
             return                               # its gateway is gone: aborted and freed (``owner_gone``)
         job.first_sent = True
         seq = e.held.get(rid)
@@ -192,7 +187,7 @@ class PrefillWorker(Worker):
         if job.sent_layers:
             self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, message))
         self.metrics.success("error")
-        self.reply(job.identity, {"op": "error", "rid": rid, "status": status, "message": message})
+        self.reply(job.identity, Error(rid=rid, status=status, message=message))
 
     def tick(self) -> None:
         for r in self.pusher.results():
@@ -203,15 +198,14 @@ class PrefillWorker(Worker):
                 self.metrics.transfer_bytes.inc(r.nbytes)
                 self.metrics.transfer_time.observe(r.seconds)
                 self.metrics.success("length")      # prefill's leg ends after token #1
-                self.reply(job.identity, {"op": "transferred", "rid": r.transfer_id, "bytes": r.nbytes,
-                                          "seconds": r.seconds})
+                self.reply(job.identity, Transferred(rid=r.transfer_id, bytes=r.nbytes, seconds=r.seconds))
             else:
                 self.metrics.transfer_failure(r.cause)
                 self.metrics.success("error")
                 self.engine.abort(r.transfer_id)
                 self.engine.release(r.transfer_id)
-                self.reply(job.identity, {"op": "error", "rid": r.transfer_id, "status": 502,
-                                          "message": f"state transfer to decode failed ({r.cause}): {r.message}"})
+                self.reply(job.identity, Error(rid=r.transfer_id, status=502,
+                                               message=f"state transfer to decode failed ({r.cause}): {r.message}"))
 
     def extra_load(self) -> dict:
         return {"queued_tokens": sum(len(s.prompt_ids) for s in self.engine.scheduler.waiting)}

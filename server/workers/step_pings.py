@@ -18,6 +18,7 @@ acquisitions; the helper wakes every ``after_s`` otherwise.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 import zmq
 
-from server.workers.rpc import MessageError, pack, unpack
+from server.protocol import Kind, MessageError, Pong, kind_of, unpack
 
 log = logging.getLogger(__name__)
 BATCH = 64                  # frames read between two looks at the loop's interrupt
@@ -37,12 +38,12 @@ class StepPings:
 
     Args:
         sock: the worker's ROUTER socket (frames ``[identity, msgpack body]``).
-        load: ``() -> dict``, the pong body (``Worker.load``; it only reads engine state, as the
-            HTTP ``/ready`` handler does from its own thread).
+        load: ``() -> Pong``, the load report (``Worker.load``; it only reads engine state, as the
+            HTTP ``/ready`` handler does from its own thread); sent with ``step_s`` set.
         after_s: how long a step runs before the helper takes the socket (s).
     """
 
-    def __init__(self, sock: zmq.Socket, load: Callable[[], dict], after_s: float = 0.1):
+    def __init__(self, sock: zmq.Socket, load: Callable[[], Pong], after_s: float = 0.1):
         self.sock, self.load, self.after_s = sock, load, after_s
         self.answered = 0                      # pongs sent during steps (tests, logs)
         self._cv = threading.Condition()
@@ -155,8 +156,8 @@ class StepPings:
                 return
             if len(parts) == 2 and _is_ping(parts[1]):
                 try:
-                    body = {**self.load(), "step_s": round(time.monotonic() - t0, 3)}
-                    self.sock.send_multipart([parts[0], pack(body)], zmq.NOBLOCK)
+                    pong = dataclasses.replace(self.load(), step_s=round(time.monotonic() - t0, 3))
+                    self.sock.send_multipart([parts[0], pong.pack()], zmq.NOBLOCK)
                     self.answered += 1
                 except zmq.ZMQError:
                     pass                  # a gone gateway: the loop's own replies find it after the step
@@ -170,6 +171,6 @@ def _is_ping(frame: bytes) -> bool:
     if len(frame) > 64:                  # a ping is ~10 bytes; a prompt is not unpacked twice
         return False
     try:
-        return unpack(frame).get("op") == "ping"
+        return kind_of(unpack(frame)) is Kind.PING
     except MessageError:
         return False

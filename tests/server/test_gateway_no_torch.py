@@ -19,9 +19,9 @@ LAUNCH = [sys.executable, "-m", "server.launch.cli"]
 # what ``launch-pd --role gateway`` imports: the launcher, every gateway module, the P/D backend and
 # the worker protocol it speaks (server/backends/local.py runs an engine in-process: not here)
 GATEWAY_MODULES = ["server.launch.cli", "server.launch.flags", "server.launch.roles", "server.backends.base",
-                   "server.backends.instances", "server.backends.pd", "server.workers.rpc", "server.metrics",
-                   "kvtransfer.compat",
-                   "engine.tokenizer", "engine.run_config"] + sorted(
+                   "server.backends.instances", "server.backends.leg", "server.backends.links",
+                   "server.backends.pd", "server.protocol", "server.heartbeat", "server.metrics",
+                   "kvtransfer.compat", "engine.tokenizer", "engine.run_config"] + sorted(
     f"server.gateway.{p.stem}" for p in Path("server/gateway").glob("*.py") if p.stem != "__init__")
 
 

@@ -19,7 +19,7 @@ from server.backends.links import WorkerLinks
 from server.launch.local import free_port
 from server.workers.base import WorkerOptions
 from server.workers.prefill import PrefillWorker
-from server.workers.rpc import pack, params_to_dict, unpack
+from server.protocol import Pong, pack, params_to_dict, unpack
 from server.workers.step_pings import MAX_KEPT, StepPings
 
 
@@ -32,7 +32,10 @@ class _Pair:
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.dealer = self.ctx.socket(zmq.DEALER)
         self.dealer.connect(f"tcp://127.0.0.1:{port}")
-        self.pings = StepPings(self.router, lambda: {"op": "pong", "ready": True, "waiting": 3}, after_s)
+        pong = Pong(role="prefill", instance_id="test", ready=True, running=0, waiting=3, reserved=0, batch_size=1,
+                    kv_usage=0.0, free_blocks={}, total_blocks={}, max_model_len=1, prefix_caching=False,
+                    fingerprint="", handshake={})
+        self.pings = StepPings(self.router, lambda: pong, after_s)
 
     def recv(self, timeout_s: float) -> dict | None:
         return unpack(self.dealer.recv()) if self.dealer.poll(int(timeout_s * 1000)) else None
