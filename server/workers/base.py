@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import uvicorn
 import zmq
@@ -38,8 +38,8 @@ from kvtransfer.secure import secure_server, stop_authenticator
 from server.heartbeat import set_heartbeat
 from server.metrics import WorkerMetrics
 from server.protocol import MAX_MESSAGE_BYTES, Error, Kind, Message, MessageError, Pong, Probe, kind_of, unpack
-from server.workers.http import serve_http
-from server.workers.layout import state_fingerprint
+from server.workers.http import WorkerHttp, serve_http
+from server.workers.layout import quantization_label, state_fingerprint
 from server.workers.loop_calls import LoopCalls
 from server.workers.step_pings import StepPings
 
@@ -356,7 +356,37 @@ class Worker:
         """Serve /health /ready /metrics on ``opts.http_port`` (0: none) from a daemon thread.
         Raises OSError now if the port cannot be bound."""
         if self.opts.http_port:
-            self._http = serve_http(self)
+            reset = None if self.prefix_cache is None else self.reset_prefix_cache
+            hooks = WorkerHttp(self.role, self.opts.cluster_secret, self.health_info, lambda: self.load().report(),
+                               lambda: self.ready, reset, self.render_metrics)
+            self._http = serve_http(self.opts.host, self.opts.http_port, hooks)
+
+    def health_info(self) -> dict:
+        """The ``/health`` body: what runs here (device, weights, cache dtype, MTP, prefix cache,
+        graph mode, parallel layout). Reads engine state only (the HTTP thread calls it)."""
+        e = self.engine
+        r, q, spec = e.runner, e.model.args.quant, e.spec
+        return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
+                "device": str(e.model.embed.weight.device),
+                "quantization": quantization_label(q),
+                "cache_dtype": e.cache.cache_dtype.describe(),
+                # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
+                "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
+                "prefix_cache": None if (pc := self.prefix_cache) is None else
+                {"entries": len(pc.entries), "queries": pc.queries, "hits": pc.hits, "evictions": pc.evictions},
+                "exe_mode": r.cfg.exe_mode if r is not None else "eager",
+                "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
+                                                 "warmup_s": round(r.warmup_s, 3)},
+                "parallel": self.parallel_info() if self.parallel_info else {"world_size": 1}}
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every prefix-cache entry, on the loop (any thread; waits for it). Returns how many."""
+        return self.calls.call(self.engine.executor.reset_prefix_cache)
+
+    def render_metrics(self) -> bytes:
+        """The Prometheus text, gauges refreshed first (any thread)."""
+        self.update_gauges()
+        return self.metrics.render()
 
     def close(self) -> None:
         self.stop.set()

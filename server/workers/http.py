@@ -1,16 +1,17 @@
 """A worker's HTTP side: ``/health``, ``/ready`` (the load report, 503 while not ready),
 ``/metrics`` (Prometheus) and vLLM's ``/reset_prefix_cache``, served by uvicorn on a daemon thread.
 
-The handlers only read engine state, except ``/reset_prefix_cache``, which runs on the worker's
-loop (``LoopCalls``). With a cluster secret every endpoint needs ``Authorization: Bearer <secret>``.
+The app knows no worker: it calls what ``WorkerHttp`` hands it, from uvicorn's thread. Those
+callables only read engine state, except ``reset_prefix_cache``, which the worker runs on its loop
+(``LoopCalls``). With a cluster secret every endpoint needs ``Authorization: Bearer <secret>``.
 """
 from __future__ import annotations
 
 import hmac
 import socket
 import threading
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -18,15 +19,31 @@ from fastapi.responses import JSONResponse
 
 from server.gateway.protocol import error_body
 from server.metrics import CONTENT_TYPE
-from server.workers.layout import quantization_label
-
-if TYPE_CHECKING:
-    from server.workers.base import Worker
 
 
-def worker_app(w: Worker) -> FastAPI:
-    """The FastAPI app of worker ``w`` (errors in the API's error shape)."""
-    secret = w.opts.cluster_secret
+@dataclass(frozen=True)
+class WorkerHttp:
+    """What the endpoints serve.
+
+    role: "prefill" | "decode" (the app's title). secret: the cluster secret (None: no auth).
+    health: ``() -> dict``, the ``/health`` body. load: ``() -> dict``, the ``/ready`` body (the
+    load report). ready: ``() -> bool``, whether ``/ready`` says 200 (else 503).
+    reset_prefix_cache: ``() -> int``, prefix-cache entries evicted (None: prefix caching is
+    off, the endpoint answers 400). metrics: ``() -> bytes``, the Prometheus text.
+    """
+
+    role: str
+    secret: str | None
+    health: Callable[[], dict]
+    load: Callable[[], dict]
+    ready: Callable[[], bool]
+    reset_prefix_cache: Callable[[], int] | None
+    metrics: Callable[[], bytes]
+
+
+def worker_app(w: WorkerHttp) -> FastAPI:
+    """The FastAPI app serving ``w`` (errors in the API's error shape)."""
+    secret = w.secret
 
     async def auth(request: Request) -> None:
         if secret is not None:
@@ -43,46 +60,32 @@ def worker_app(w: Worker) -> FastAPI:
 
     @app.get("/health")
     def health():
-        r, q, spec = w.engine.runner, w.engine.model.args.quant, w.engine.spec
-        return {"status": "ok", "role": w.role, "instance_id": w.instance_id,
-                "device": str(w.engine.model.embed.weight.device),
-                "quantization": quantization_label(q),
-                "cache_dtype": w.engine.cache.cache_dtype.describe(),
-                # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
-                "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
-                "prefix_cache": None if (pc := w.prefix_cache) is None else
-                {"entries": len(pc.entries), "queries": pc.queries, "hits": pc.hits, "evictions": pc.evictions},
-                "exe_mode": r.cfg.exe_mode if r is not None else "eager",
-                "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
-                                                 "warmup_s": round(r.warmup_s, 3)},
-                "parallel": w.parallel_info() if w.parallel_info else {"world_size": 1}}
+        return w.health()
 
     @app.get("/ready")
     def ready():
-        body = w.load().report()
-        return JSONResponse(body, status_code=200 if w.ready else 503)
+        return JSONResponse(w.load(), status_code=200 if w.ready() else 503)
 
     @app.post("/reset_prefix_cache")
     def reset_prefix_cache():
         """vLLM's endpoint: evict every prefix-cache entry (blocks running requests hold stay)."""
-        if w.prefix_cache is None:
+        if w.reset_prefix_cache is None:
             raise HTTPException(400, "prefix caching is off (scheduler_config.enable_prefix_caching)")
-        return {"evicted": w.calls.call(w.engine.executor.reset_prefix_cache)}
+        return {"evicted": w.reset_prefix_cache()}
 
     @app.get("/metrics")
     def metrics():
-        w.update_gauges()
-        return Response(w.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(w.metrics(), media_type=CONTENT_TYPE)
 
     return app
 
 
-def serve_http(w: Worker) -> uvicorn.Server:
-    """Bind ``w.opts.host:w.opts.http_port`` now (raises OSError here, not in the thread) and
-    serve ``worker_app(w)`` from a daemon thread. Returns the server (``should_exit`` stops it)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in w.opts.host else socket.AF_INET)
+def serve_http(host: str, port: int, w: WorkerHttp) -> uvicorn.Server:
+    """Bind ``host:port`` now (raises OSError here, not in the thread) and serve ``worker_app(w)``
+    from a daemon thread. Returns the server (``should_exit`` stops it)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((w.opts.host, w.opts.http_port))
+    sock.bind((host, port))
     sock.listen(128)        # connections queue from now on, not only once the thread's server runs
     server = uvicorn.Server(uvicorn.Config(worker_app(w), log_level="warning", access_log=False))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="http", daemon=True).start()
