@@ -10,13 +10,12 @@ import torch
 from engine.cache_dtype import CacheDtype
 from engine.config import ConfigError, ModelArgs
 from engine.config_checks import check_min_ranks
-from engine.core.executor import ExecutorFactory
 from engine.core.grammar import GrammarBackend
+from engine.core.graph_runner import ExecConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ops import ops_for, residual_dtype_for
 from engine.platform import detect
 from engine.run_config import RunConfig
-from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.checkpoint.loader import load_model
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ def eos_token_ids(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, ...]:
 def exec_config(cfg: RunConfig) -> ExecConfig:
     """The run config's execution keys as an ``ExecConfig``. A multi-rank instance captures its
     decode step too: every rank runs the same bucket of rows, the step's collectives inside it
-    (``DecodeRunner``'s ``rows_mode``)."""
+    (the graph step's ``rows_mode``)."""
     m, cp = cfg.model_config, cfg.model_config.custom_params
     mode = m.exe_mode
     return ExecConfig(exe_mode=mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
@@ -75,7 +74,7 @@ def check_cache_platform(cache: CacheDtype, version: str | None) -> None:
 
 def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: str = "cpu",
                  progress: bool = True, graph: bool = True, rank: int = 0,
-                 executor: ExecutorFactory | None = None, warmup: bool = True) -> LLMEngine:
+                 runner=None, warmup: bool = True) -> LLMEngine:
     """Load the checkpoint of ``model_config.model_path`` (or ``model_dir``) and size the engine
     from ``scheduler_config``; with a graph ``exe_mode`` (and ``graph``: False for a prefill-only
     worker, which always runs eager) compile / capture the decode step now.
@@ -83,9 +82,10 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
     ``device``: a spec for ``engine.platform.detect`` ("cpu", "cuda:0", "npu:0", "auto").
     ``rank``: with ``parallel_config.world_size`` > 1, this process's rank; torch.distributed must
     be initialised: the model is sharded for it (``engine.parallel.shard.apply_parallel``).
-    ``executor``: the engine's executor (``LLMEngine``'s; None: this process only). A multi-rank
-    instance passes its rank's (``server.launch.rank_worker``: ``engine.parallel.executor``'s
-    ``LeaderExecutor`` on rank 0, ``RankExecutor`` on the others).
+    ``runner``: (model, pools, limits, platform, graph) -> the engine's model runner (None:
+    ``ModelRunner``, this process only). A multi-rank instance passes its rank's
+    (``server.launch.rank_worker``: ``engine.parallel``'s ``LeaderRunner`` on rank 0, a
+    ``RankRunner`` on the others).
     ``warmup``: False leaves the compile / capture to the caller (``engine.runner.warmup()``): a
     multi-rank instance warms up only after every rank has shown the same cache layout, since the
     warm-up steps run the model's collectives.
@@ -125,17 +125,19 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         prepare(model)
     model.configure(cp.moe_chunk_max_len, plat, cp.enable_multi_streams,
                     residual_dtype_for(plat.kind, DTYPES[cfg.model_config.dtype]))
-    engine = _size(cfg, model, path, executor)
-    engine.grammar = GrammarBackend(path, model.args.vocab_size, tuple(engine.eos_ids))
-    if graph and ex.graph:
-        exe = engine.executor              # per rank: the engine's batch limit is dp_size x a rank's
-        # an MTP engine's step verifies the pending token and up to next_n drafts per request
-        engine.runner = DecodeRunner(model, exe.pools, engine.limits.max_model_len,
-                                     engine.limits.batch_size // exe.dp_size, plat, ex,
-                                     exe.rows_mode if pc.world_size > 1 else None,
-                                     span=1 + cfg.model_config.next_n)
-        if warmup:
-            engine.runner.warmup()
+    eos = eos_token_ids(path, model.args)
+    grammar = GrammarBackend(path, model.args.vocab_size, eos)
+    gx = ex if graph and ex.graph else None
+
+    def make_runner(model, pools, limits):
+        if runner is not None:
+            return runner(model, pools, limits, plat, gx)
+        from engine.core.model_runner import ModelRunner
+        return ModelRunner(model, pools, limits.max_model_len, limits.batch_size, plat, gx)
+
+    engine = _size(cfg, model, path, make_runner, eos, grammar)
+    if warmup:
+        engine.runner.warmup()
     return engine
 
 
@@ -148,7 +150,7 @@ def _check_ranks(cfg: RunConfig) -> None:
                           f"processes (launch-pd --role prefill|decode starts them); this process has {have}")
 
 
-def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -> LLMEngine:
+def _size(cfg: RunConfig, model, path: Path, runner, eos: tuple[int, ...], grammar: GrammarBackend) -> LLMEngine:
     s = cfg.scheduler_config
     max_len = cfg.max_model_len_for(model.args) if s.max_model_len is not None else None
     try:
@@ -156,7 +158,7 @@ def _size(cfg: RunConfig, model, path: Path, executor: ExecutorFactory | None) -
                                max_prefill_tokens=cfg.effective_max_prefill_tokens, max_model_len=max_len,
                                mem_fraction_static=s.mem_fraction_static, cpu_memory_bytes=s.cpu_memory_bytes,
                                num_kv_blocks=s.num_kv_blocks, num_reserved_decode_tokens=s.num_reserved_decode_tokens,
-                               eos_ids=eos_token_ids(path, model.args), executor=executor,
+                               eos_ids=eos, runner=runner, grammar=grammar,
                                cache_dtype=cfg.cache_dtype_for(model.args), next_n=cfg.model_config.next_n,
                                prefix_slots=(s.prefix_cache_slots or cfg.batch_size_per_dp_rank)
                                if s.enable_prefix_caching else None)

@@ -1,5 +1,6 @@
 """A leader and a follower engine of one instance in one process (``rank_pair``), and checks that
-the follower's replay keeps its pools equal to the leader's (engine.parallel.executor)."""
+the follower, running the leader's plans, keeps its state pools equal to the leader's
+(engine.parallel.leader / follower)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,74 +9,91 @@ import threading
 import torch
 
 from engine.build import build_engine
-from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout
+from engine.core.step import StepPlan
 from engine.parallel.follower import follow
+from engine.parallel.leader import LeaderRunner
 from engine.parallel.link import FollowerLink, LeaderLink
+from engine.parallel.rank_runner import RankRunner, cache_layout
 from engine.run_config import RunConfig
 from server.launch.local import free_port
 
 
+class Mirror:
+    """The pair's bookkeeping: messages the leader sent, messages the follower has handled."""
+
+    def __init__(self, leader):
+        self.leader, self.sent, self.seen, self.cond = leader, 0, 0, threading.Condition()
+
+    def handled(self) -> None:
+        with self.cond:
+            self.seen += 1
+            self.cond.notify_all()
+
+    def replayed(self) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.seen == self.sent, timeout=30)
+
+
 def rank_pair(ckpt, config: str, graph: bool = False):
-    """A leader engine with a LeaderExecutor and a follower engine replaying it on a thread
-    (world 1 models: no collectives, so this checks the replay alone). ``graph``: both decode
+    """A leader engine with a ``LeaderRunner`` and a follower engine running its plans on a thread
+    (world 1 models: no collectives, so this checks the plans alone). ``graph``: both decode
     through a graph runner (exe_mode npugraph_ex, its static step run uncompiled). Yields
-    (leader, follower, the leader's executor)."""
+    (leader, follower, a ``Mirror``)."""
     cfg = RunConfig.from_yaml(config)
     if graph:
         cfg = dataclasses.replace(cfg, model_config=dataclasses.replace(cfg.model_config, exe_mode="npugraph_ex"))
     port = free_port()
     link = LeaderLink("127.0.0.1", port, 2)
-    leader = build_engine(cfg, ckpt, progress=False, executor=lambda m, c: LeaderExecutor(m, c, link), warmup=False)
-    follower = build_engine(cfg, ckpt, progress=False, executor=RankExecutor, warmup=False)
+    leader = build_engine(cfg, ckpt, progress=False, warmup=False, runner=lambda m, p, lim, plat, g: LeaderRunner(
+        m, p, lim.max_model_len, lim.batch_size, plat, g, link))
+    follower = build_engine(cfg, ckpt, progress=False, warmup=False, runner=lambda m, p, lim, plat, g: RankRunner(
+        m, p, lim.max_model_len, lim.batch_size, plat, g, rank=1))
     for eng in (leader, follower) if graph else ():
-        eng.runner.use_eager()
+        eng.runner.graph.use_eager()
     box = {}
-    th = threading.Thread(target=lambda: box.update(link=FollowerLink("127.0.0.1", port, 1, cache_layout(follower))))
+    th = threading.Thread(target=lambda: box.update(link=FollowerLink("127.0.0.1", port, 1,
+                                                                      cache_layout(follower.runner))))
     th.start()
-    link.wait_followers(cache_layout(leader), startup_s=30)
+    link.wait_followers(cache_layout(leader.runner), startup_s=30)
     th.join()
-    mirror = leader.executor
-    count, cond, logits, send = {"sent": 0, "seen": 0}, threading.Condition(), follower.executor.logits, link.send
+    mirror, send, flink = Mirror(leader), link.send, box["link"]
+    recv, calls = flink.recv, [0]
 
     def sent(header, frames=(), to=None):
-        count["sent"] += header["op"] == "logits"
+        mirror.sent += header["op"] != "stop"
         send(header, frames, to)
 
-    def seen(hidden):                     # the follower has replayed everything up to this call
-        out = logits(hidden)
-        with cond:
-            count["seen"] += 1
-            cond.notify_all()
-        return out
-    link.send, follower.executor.logits = sent, seen      # the replayed logits calls (not a draft's)
-
-    def replayed() -> bool:
-        with cond:
-            return cond.wait_for(lambda: count["seen"] == count["sent"], timeout=30)
-    mirror.replayed = replayed
-    runner = threading.Thread(target=follow, args=(follower.executor, box["link"]),
-                              kwargs={"runner": follower.runner}, daemon=True)
+    def received():                       # the follower asks for the next message: the last is handled
+        if calls[0]:
+            mirror.handled()
+        calls[0] += 1
+        return recv()
+    link.send, flink.recv = sent, received
+    runner = threading.Thread(target=follow, args=(follower.runner, box["link"]), daemon=True)
     runner.start()
     yield leader, follower, mirror
-    mirror.stop()
+    leader.runner.stop()
     runner.join(10)
     link.close()
     box["link"].close()
 
 
 def sync(mirror):
-    """Flush pending cache calls with a logits call and wait until the follower has replayed
-    it (and so everything sent before it, in order)."""
-    mirror.logits(torch.zeros(1, mirror.model.args.hidden_size))
-    assert mirror.replayed(), "the follower did not replay within 30 s"
+    """Send the leader's pending pool changes (a plan of no rows) and wait until the follower has
+    handled it (and so everything sent before it, in order)."""
+    lead = mirror.leader
+    lead.runner.execute(StepPlan(pool_ops=lead.cache.take_ops()))
+    assert mirror.replayed(), "the follower did not follow within 30 s"
 
 
-def pools_equal(a, b):
-    ta, tb = a.tensors(), b.tensors()
+def pools_equal(leader, follower):
+    """The two ranks' state pools hold the same bytes; the follower kept no accounting (its
+    engine's blocks are all free: the plans carry the tables) and the same MTP carries."""
+    ta, tb = leader.runner.pools.tensors(), follower.runner.pools.tensors()
     assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
-    assert {k: v.state_slot for k, v in a.seqs.items()} == {k: v.state_slot for k, v in b.seqs.items()}
-    assert {k: v.tables for k, v in a.seqs.items()} == {k: v.tables for k, v in b.seqs.items()}
-    assert a.num_free() == b.num_free()
+    assert follower.cache.seqs == {} and follower.num_free_blocks() == follower.num_total_blocks()
+    ca, cb = leader.runner.carries, follower.runner.carries
+    assert list(ca) == list(cb) and all(torch.equal(ca[k], cb[k]) for k in ca)
 
 
 def replay_mtp_requests(pair, reference) -> None:
@@ -96,7 +114,8 @@ def replay_mtp_requests(pair, reference) -> None:
         for out in leader.step():
             done[out.request_id] += out.new_token_ids
         sync(mirror)
-        pools_equal(leader.cache, follower.cache)
-    assert leader.spec.stats.num_drafts > 0 and not mirror.rollbacks and not follower.executor.rollbacks
+        pools_equal(leader, follower)
+    assert leader.spec.stats.num_drafts > 0
+    assert leader.runner.spans is None and follower.runner.spans is None
     want = reference.generate(prompts, params)
     assert [done[f"m{i}"] for i in range(3)] == [s.output_ids for s in want]

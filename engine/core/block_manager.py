@@ -14,7 +14,9 @@ Pools (manager keys after the NPU port, §4):
 A request's block table per pool lists its blocks in order. Allocation is two-phase (check all
 pools, then take), so a refused request holds nothing; ``free`` returns everything at once. The
 scheduler and attention DP's placement need only this accounting, so it imports no torch; the
-tensors live in ``engine.core.kv_cache``.
+tensors live in ``engine.core.kv_cache``, and what the accounting decides for them (a new slot
+cleared, a prefix state copied) is recorded as ``PoolOp`` s, which the model runner applies
+before its next forward (``StepPlan.pool_ops``: on every rank, with no replay of the accounting).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from engine.cache_dtype import CacheDtype, indexer_row_bytes, kv_row_bytes
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
 from engine.core.block_pool import BlockPool, CacheFullError  # noqa: F401  (CacheFullError: re-exported)
 from engine.core.prefix_cache import PrefixCache, PrefixEntry
+from engine.core.step import PoolOp
 
 GROWING = ("c4", "c128")
 
@@ -192,7 +195,6 @@ class SeqBlocks:
     state_slot: int
     tables: dict[str, list[int]] = field(default_factory=dict)
     num_cached: int = 0      # tokens whose state came from a prefix-cache entry
-    carry: object = None     # that entry's ``PrefixEntry.carry`` (MTP), until the first draft takes it
 
 
 class BlockManager:
@@ -200,10 +202,14 @@ class BlockManager:
 
     Args:
         args: the model's sizes. config: pool geometry (``plan_cache`` or explicit).
+        rank: the attention-DP rank whose pools these are (None: every rank's, replicated).
+        ops: the list the ``PoolOp`` s are recorded in (None: its own; attention DP's ranks
+            share one, so their order is kept). ``take_ops`` drains it.
     """
 
-    def __init__(self, args: ModelArgs, config: CacheConfig):
-        self.args, self.config = args, config
+    def __init__(self, args: ModelArgs, config: CacheConfig, rank: int | None = None, ops: list | None = None):
+        self.args, self.config, self.rank = args, config, rank
+        self.ops: list[PoolOp] = [] if ops is None else ops
         g = self.geometry = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
         self.pools = {"win": BlockPool(config.num_slots * g.blocks_needed("win", 0)),
                       "state": BlockPool(config.num_slots)}
@@ -211,6 +217,12 @@ class BlockManager:
             self.pools[p] = BlockPool(config.num_blocks.get(p, 0) if g.blocks_needed(p, 1 << 30) else 0)
         self.seqs: dict[object, SeqBlocks] = {}
         self.prefix = PrefixCache() if config.prefix_slots is not None else None
+
+    def take_ops(self) -> list[PoolOp]:
+        """The ``PoolOp`` s recorded since the last call, in order (the list is emptied)."""
+        out = self.ops[:]
+        self.ops.clear()
+        return out
 
     def num_free(self) -> dict[str, int]:
         """Free blocks per pool (``state`` counts request slots)."""
@@ -245,6 +257,7 @@ class BlockManager:
         ``SeqBlocks.num_cached`` says how many tokens that covers (0: the entry is gone or the
         room for its copy is not there; the request then holds fresh state, as without it).
         A new request's state slot otherwise goes through ``reset_slot`` (the pools clear it).
+        An MTP engine's hit also binds the entry's carry to the request ("carry_bind").
         Raises:
             CacheFullError: some pool is short even with every entry evicted; nothing was taken.
         """
@@ -273,8 +286,9 @@ class BlockManager:
         for p in GROWING:
             held.tables.setdefault(p, []).extend(self.pools[p].take(need[p]))
         if entry is not None:
-            held.num_cached, held.carry = entry.num_tokens, entry.carry
+            held.num_cached = entry.num_tokens
             self.copy_state(entry.blocks, held, entry.num_tokens)
+            self.ops.append(PoolOp("carry_bind", self.rank, (prefix, seq_id)))
         return held
 
     def _make_room(self, need: dict[str, int], keep: bytes | None = None) -> dict[str, tuple[int, int]]:
@@ -289,20 +303,21 @@ class BlockManager:
                 return short
 
     def _evict(self, keep: bytes | None = None, evicted: bool = True) -> bool:
-        entry = self.prefix.pop_lru(keep, evicted)
+        key, entry = self.prefix.pop_lru(keep, evicted)
         if entry is None:
             return False
+        self.ops.append(PoolOp("carry_drop", self.rank, (key,)))
         self.pools["state"].give([entry.blocks.state_slot], cached=True)
         for p, blocks in entry.blocks.tables.items():
             self.pools[p].give(blocks, cached=True)
         return True
 
-    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...], carry=None) -> bool:
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
         """Keep ``seq_id``'s state after ``num_tokens`` tokens (a multiple of 128, what it holds
-        now) as the prefix-cache entry ``key`` (``chain``: its chunk hashes; ``carry``:
-        ``PrefixEntry.carry``): its entry blocks shared, its window ring(s) and state slot copied
-        into the entry's own. False when caching is off, ``key`` is already cached, or no ring /
-        slot can be freed for it."""
+        now) as the prefix-cache entry ``key`` (``chain``: its chunk hashes): its entry blocks
+        shared, its window ring(s) and state slot copied into the entry's own, and (MTP) the last
+        step's streams row of the boundary kept as its carry ("carry_save"). False when caching
+        is off, ``key`` is already cached, or no ring / slot can be freed for it."""
         if self.prefix is None or self.prefix.touch(key) is not None:
             return False
         ring = self.geometry.blocks_needed("win", 0)
@@ -315,7 +330,8 @@ class BlockManager:
             n = -(-self.geometry.entries(p, num_tokens) // self.config.block_size)
             snap.tables[p] = self.pools[p].share(held.tables.get(p, [])[:n], cached=True)
         self.copy_state(held, snap, num_tokens)
-        self.prefix.add(key, PrefixEntry(num_tokens, snap, chain, carry))
+        self.ops.append(PoolOp("carry_save", self.rank, (key, seq_id, num_tokens)))
+        self.prefix.add(key, PrefixEntry(num_tokens, snap, chain))
         return True
 
     def reset_prefix_cache(self) -> int:
@@ -326,11 +342,15 @@ class BlockManager:
         return n
 
     def copy_state(self, src: SeqBlocks, dst: SeqBlocks, num_tokens: int) -> None:
-        """Make ``dst`` hold ``src``'s state after ``num_tokens`` tokens (a 128 multiple): window
-        ring, state slot and the entry blocks the two do not share (accounting only: nothing)."""
+        """Record that ``dst`` must hold ``src``'s state after ``num_tokens`` tokens (a 128
+        multiple): window ring, state slot and the entry blocks the two do not share
+        (``PagedCache.copy_state``)."""
+        self.ops.append(PoolOp("copy", self.rank, (src.state_slot, _tables(src), dst.state_slot, _tables(dst),
+                                                   num_tokens)))
 
     def reset_slot(self, slot: int) -> None:
-        """Called with a new request's state slot (accounting only: nothing to reset)."""
+        """Record that a new request's state slot must be cleared (``PagedCache.reset_slot``)."""
+        self.ops.append(PoolOp("reset", self.rank, (slot,)))
 
     def rank_of(self, seq_id) -> int:
         """The attention-DP rank whose pools hold ``seq_id``: 0 (one set of pools; ``DPCache`` has more)."""
@@ -341,6 +361,12 @@ class BlockManager:
         held = self.seqs.pop(seq_id, None)
         if held is None:
             return
+        self.ops.append(PoolOp("free", self.rank, (seq_id,)))
         self.pools["state"].give([held.state_slot])
         for p, blocks in held.tables.items():
             self.pools[p].give(blocks)
+
+
+def _tables(held: SeqBlocks) -> dict[str, list[int]]:
+    """A copy of ``held``'s block tables (they grow after an op is recorded)."""
+    return {p: list(b) for p, b in held.tables.items()}

@@ -1,8 +1,10 @@
 """The tensors of the paged decode-state pools (reference/dsv4-architecture.md §4).
 
-``PagedCache`` is a ``BlockManager`` (``engine.core.block_manager``: which blocks a request holds)
-that also owns the pool tensors those block ids index; ``sequence_state`` gives the model its
-view of one request (``engine.core.paged_state``).
+``PagedCache`` owns the pool tensors that the block ids of a ``BlockManager``
+(``engine.core.block_manager``: which blocks a request holds, torch-free) index, and applies the
+``PoolOp`` s the accounting records; ``sequence_state`` gives the model its view of one request's
+holdings (``engine.core.paged_state``). ``LocalCache`` is the two in one process with the ops
+applied at once (tests, benchmarks, tools: no model runner).
 """
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ import torch
 
 from engine.cache_dtype import CacheDtype
 from engine.config import CSA_RATIO, HCA_RATIO, ModelArgs
-from engine.core.block_manager import GROWING, BlockManager, CacheConfig, SeqBlocks, plan_cache, pool_bytes
+from engine.core.block_manager import GROWING, BlockManager, CacheConfig, Geometry, SeqBlocks, plan_cache, pool_bytes
 from engine.core.paged_state import PagedLayerState, PagedSequenceState
+from engine.core.step import PoolOp
 from engine.ops.cache_codec import CacheRows, codecs_for
 
 
-class PagedCache(BlockManager):
-    """The preallocated pools of one worker: ``BlockManager``'s accounting plus the tensors it indexes.
+class PagedCache:
+    """The preallocated pools of one worker: the tensors a ``BlockManager``'s block ids index.
 
     Pools (``d`` head_dim, ``dI`` index_head_dim; flat rows = block * block_size + offset), KV and
     indexer keys as ``CacheRows`` in ``config.cache_dtype``'s storage (``engine.ops.cache_codec``;
@@ -38,11 +41,13 @@ class PagedCache(BlockManager):
     """
 
     def __init__(self, args: ModelArgs, config: CacheConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        super().__init__(args, config)
+        self.args, self.config = args, config
         self.dtype, self.device, self.cache_dtype = dtype, device, config.cache_dtype
-        g = self.geometry
+        g = self.geometry = Geometry.of(args, config.block_size, config.next_n, config.cache_dtype)
         bs, d, dI = config.block_size, args.head_dim, args.index_head_dim
-        n_win = self.pools["win"].num_blocks
+        n_win = config.num_slots * g.blocks_needed("win", 0)
+        # the growing pools' block counts, as the accounting's (``BlockManager``)
+        blocks = {p: config.num_blocks.get(p, 0) if g.blocks_needed(p, 1 << 30) else 0 for p in GROWING}
         self.kv_codec, self.idx_codec = codecs_for(config.cache_dtype, d, args.qk_rope_head_dim, dI, dtype)
 
         def kv_rows(n: int) -> CacheRows:
@@ -70,11 +75,11 @@ class PagedCache(BlockManager):
                 for j, l in enumerate(layers):
                     views[l] = (kv[j], score[j])
         for l in g.csa_layers:
-            n = self.pools["c4"].num_blocks * bs + 1
+            n = blocks["c4"] * bs + 1
             self.cmp_kv[l], self.idx_kv[l] = kv_rows(n), CacheRows.zeros(self.idx_codec, n, device)
         for l in g.hca_layers:
-            self.cmp_kv[l] = kv_rows(self.pools["c128"].num_blocks * bs + 1)
-        self.trash_row = {p: self.pools[p].num_blocks * bs for p in GROWING}
+            self.cmp_kv[l] = kv_rows(blocks["c128"] * bs + 1)
+        self.trash_row = {p: blocks[p] * bs for p in GROWING}
 
     def tensors(self) -> list[torch.Tensor]:
         """Every pool tensor: the KV and indexer caches' stored parts, then the compressor states."""
@@ -118,17 +123,56 @@ class PagedCache(BlockManager):
             for c in caches:
                 c.scatter(d_rows, c.gather(s_rows))
 
-    def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
-        """The model-facing state of ``seq_id`` with ``num_tokens`` tokens already processed.
-        Raises KeyError if it holds nothing."""
-        return PagedSequenceState(self, self.seqs[seq_id], num_tokens)
+    def apply(self, op: PoolOp) -> None:
+        """Apply a "reset" or "copy" ``PoolOp`` (the other kinds concern the runner, not the pools)."""
+        if op.kind == "reset":
+            self.reset_slot(op.args[0])
+        elif op.kind == "copy":
+            src_slot, src_tables, dst_slot, dst_tables, n = op.args
+            self.copy_state(SeqBlocks(src_slot, dict(src_tables)), SeqBlocks(dst_slot, dict(dst_tables)), n)
 
-    def mtp_state(self, seq_id, num_tokens: int, layer: int = 0) -> "PagedLayerState":
-        """MTP layer ``layer``'s window state of ``seq_id`` with ``num_tokens`` positions drafted
-        over (``forward_mtp`` advances its ``num_tokens``). Raises KeyError / IndexError."""
-        held = self.seqs[seq_id]
+    def sequence_state(self, held: SeqBlocks, num_tokens: int) -> PagedSequenceState:
+        """The model-facing state of the holding ``held`` with ``num_tokens`` tokens already processed."""
+        return PagedSequenceState(self, held, num_tokens)
+
+    def mtp_state(self, held: SeqBlocks, num_tokens: int, layer: int = 0) -> "PagedLayerState":
+        """MTP layer ``layer``'s window state of the holding ``held`` with ``num_tokens`` positions
+        drafted over (``forward_mtp`` advances its ``num_tokens``). Raises IndexError."""
         table = torch.tensor(held.tables["win"], dtype=torch.long, device=self.device)
         return PagedLayerState.window_only(self, self.mtp_win[layer], table, num_tokens)
+
+
+class LocalCache(BlockManager):
+    """A ``BlockManager`` over its own ``PagedCache`` (``paged``), each ``PoolOp`` applied as it is
+    recorded: one process with no model runner (tests, benchmarks, tools)."""
+
+    def __init__(self, args: ModelArgs, config: CacheConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(args, config)
+        self.paged = PagedCache(args, config, dtype, device)
+
+    def _applied(self, out):
+        for op in self.take_ops():
+            self.paged.apply(op)
+        return out
+
+    def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None) -> SeqBlocks:
+        return self._applied(super().allocate(seq_id, num_tokens, prefix))
+
+    def cache_prefix(self, seq_id, key: bytes, num_tokens: int, chain: tuple[bytes, ...]) -> bool:
+        return self._applied(super().cache_prefix(seq_id, key, num_tokens, chain))
+
+    def free(self, seq_id) -> None:
+        self._applied(super().free(seq_id))
+
+    def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
+        """The model-facing state of ``seq_id`` after ``num_tokens`` tokens. Raises KeyError."""
+        return self.paged.sequence_state(self.seqs[seq_id], num_tokens)
+
+    def mtp_state(self, seq_id, num_tokens: int, layer: int = 0) -> "PagedLayerState":
+        return self.paged.mtp_state(self.seqs[seq_id], num_tokens, layer)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.paged.tensors()
 
 
 def _reset_comp(kv: torch.Tensor, score: torch.Tensor, overlap: bool) -> None:

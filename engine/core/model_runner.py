@@ -1,338 +1,285 @@
-"""Decode runner: eager, or graph mode over batch-size buckets (reference/dsv4-architecture.md §8.4).
+"""The model runner: the device side of an engine step (``engine.core.step``'s contract).
 
-``exe_mode`` (run config ``model_config.exe_mode``) picks how single-token rows (decode) run;
-prefill always runs eager through ``Transformer.forward_batch``:
+``execute(plan)`` applies the plan's pool changes, runs its rows and samples the rows whose
+pending tokens all ran; ``draft(plan)`` (MTP) rolls back the rejected drafts and makes the next
+ones. The rows run two ways, the same values either way:
 
-    eager         the model's eager path, no runner
-    npugraph_ex   Ascend: torch.compile(backend="npugraph_ex") (CANN AclGraph); CUDA: CUDA graphs;
-                  CPU: torch.compile (inductor) of the layer step, one graph per layer kind
-    ge_graph      Ascend: torchair's GE backend; CUDA / CPU: as npugraph_ex
+    prefill chunks (longer than ``span`` tokens)   ``Transformer.forward_batch``, eager
+    decode rows (1 .. ``span`` tokens: the pending  the decode step (``StaticDecoder``): eager and
+    token, then an MTP request's drafts)           exact per row, or in graph mode the captured
+                                                   step (``engine.core.graph_runner``)
 
-The graph-mode step is ``StaticDecoder`` (fixed shapes, no host syncs), padded to the smallest
-batch bucket (1, 2, 4, ... up to the batch size; on CPU the batch size only; or
-``model_config.graph_batch_sizes``) that holds the rows
-and run with the entry tables of the smallest context bucket (256, 512, ... up to max_model_len)
-that holds the longest row, so a step costs O(its longest context), not O(max_model_len). Every
-(batch, context) pair is warmed up (captured / compiled) at start so no request pays for a
-compile; on CPU, where graph mode is the test vehicle and each compile takes tens of seconds, the
-smallest context bucket is warmed up and the others compile on first use.
+A step with a layer hook (a prefill instance pushing each finished layer to decode) runs every
+row through ``forward_batch``, whose layer loop calls it. The runner keeps only what a step needs
+of the last one: the trunk's output streams (MTP drafting, prefix-cache carries) and the holdings
+of its rows; it holds no request, queue or block accounting (``LLMEngine``, ``Scheduler``).
+A multi-rank instance runs one on every rank (``engine.parallel.rank_runner``).
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
 
 import torch
 
+from engine.core.block_manager import BlockManager, SeqBlocks
+from engine.core.graph_runner import DecodeRunner, ExecConfig
 from engine.core.kv_cache import PagedCache
-from engine.core.static_decode import StaticDecoder, layer_kinds
+from engine.core.mtp_runner import SpanRollback, run_drafts
+from engine.core.pd_state import load_split, mtp_state_tensors, state_tensors
+from engine.core.sampler import sample_device, unpack
+from engine.core.spec_decode import num_accepted
+from engine.core.static_decode import StaticDecoder
+from engine.core.step import DraftPlan, DraftRow, PoolOp, RowResult, ScheduledRow, StepPlan, StepResult
 from engine.model.transformer import Transformer
-from engine.platform import Platform
+from engine.platform import Platform, detect
 
 log = logging.getLogger(__name__)
 
-GRAPH_MODES = ("npugraph_ex", "ge_graph")
 
-
-@dataclass(frozen=True)
-class ExecConfig:
-    """How decode runs (run-config keys in parentheses).
-
-    exe_mode (model_config.exe_mode); multi_streams (custom_params.enable_multi_streams);
-    limit_core (custom_params.enable_limit_core); static_kernel (model_config.enable_static_kernel);
-    cache_compile (model_config.enable_cache_compile) with compile_dir (model_config.output_path);
-    dynamic_graph (model_config.enable_dynamic_graph, npugraph_ex only); superkernel
-    (custom_params.enable_superkernel); batch_sizes (model_config.graph_batch_sizes: the batch
-    buckets, ``DecodeRunner``).
-    """
-
-    exe_mode: str = "eager"
-    multi_streams: bool = False
-    limit_core: bool = False
-    static_kernel: bool = False
-    cache_compile: bool = False
-    compile_dir: str = ""
-    dynamic_graph: bool = False
-    superkernel: bool = False
-    batch_sizes: tuple[int, ...] | None = None
-
-    @property
-    def graph(self) -> bool:
-        return self.exe_mode in GRAPH_MODES
-
-
-def buckets(max_batch: int, smallest: int = 1) -> list[int]:
-    """Buckets: powers of two from ``smallest`` below ``max_batch``, then ``max_batch``."""
-    out, b = [], smallest
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
-
-
-SMALLEST_CONTEXT = 256
-
-
-def batch_buckets(max_batch: int, kind: str, sizes: tuple[int, ...] | None = None) -> list[int]:
-    """The batch buckets of a rank: ``sizes`` below ``max_batch``, then ``max_batch``; without
-    ``sizes`` ``buckets(max_batch)``, or on CPU ``max_batch`` alone (CPU replays nothing, and each
-    bucket is a compile of tens of seconds; a CPU server that also runs one request at a time lists
-    1, so that request does not pay for a full batch of padding rows)."""
-    if sizes is None:
-        return [max_batch] if kind == "cpu" else buckets(max_batch)
-    return sorted({s for s in sizes if s < max_batch} | {max_batch})
-
-
-def context_buckets(max_model_len: int) -> list[int]:
-    """Context-length buckets (tokens): 256, 512, ... below ``max_model_len``, then it."""
-    return buckets(max_model_len, SMALLEST_CONTEXT)
-
-
-class DecodeRunner:
-    """Runs B rows (one sequence's next ``span`` tokens or fewer each) through a compiled /
-    captured ``StaticDecoder`` step.
+class ModelRunner:
+    """One rank's model, state pools and decode step.
 
     Args:
-        model, cache: the engine's model and pools. max_model_len: tokens per request.
-        max_batch: rows per step at most (the engine's batch size). platform: the device.
-        cfg: ``ExecConfig`` with a graph ``exe_mode``.
-        rows_mode: on a multi-rank model (``model.parallel``), the row mode every step runs in
-            ("replicated" or "dp", ``engine.parallel.context``), always with fixed row counts: every
-            rank runs the same bucket, so the step's collectives have fixed shapes and are captured
-            with it. None: a single-rank model.
-        span: tokens per row at most (an MTP engine: ``1 + next_n``; ``StaticDecoder``'s span).
-    Raises:
-        PlatformError: a graph backend this machine lacks (torchair for ge_graph on Ascend).
+        model: the loaded ``Transformer``. pools: its ``PagedCache`` (MTP depth: ``config.next_n``).
+        max_model_len: tokens per request. max_batch: requests per step on this rank.
+        platform: the device (None: CPU). graph: an ``ExecConfig`` with a graph ``exe_mode`` (the
+            decode rows through the captured step) or None / eager.
+        rows_mode: a multi-rank model's row mode for the captured step (``DecodeRunner``).
+        samples: whether this rank samples (a follower rank runs the logits' collectives only).
     """
 
-    def __init__(self, model: Transformer, cache: PagedCache, max_model_len: int, max_batch: int,
-                 platform: Platform, cfg: ExecConfig, rows_mode: str | None = None, span: int = 1):
-        self.platform, self.cfg, self.cache, self.span = platform, cfg, cache, span
-        self.parallel = model.parallel if rows_mode is not None else None
-        self.rows_mode = rows_mode
-        self.static = StaticDecoder(model, cache, max_model_len, platform, cfg.multi_streams, cfg.limit_core, span)
-        self.buckets = batch_buckets(max_batch, platform.kind, cfg.batch_sizes)
-        self.contexts = context_buckets(max_model_len)
-        self.device = model.embed.weight.device
-        self._fns: dict[tuple[int, int], object] = {}
-        self._eager = False
-        self._compiled = None
-        self._pool = None                      # CUDA graphs of every bucket share one memory pool
-        self.warmup_s = 0.0
-        self.backend = {"cpu": "torch.compile (inductor, per layer kind)", "cuda": "CUDA graphs"}.get(
-            platform.kind, f"torch.compile (backend {'npugraph_ex' if cfg.exe_mode == 'npugraph_ex' else 'torchair GE'})")
+    dp_size = 1                  # attention-DP ranks whose requests this runner's plans hold
+    rank = 0
+    cp_first_chunk = 0           # fewest tokens a first prompt chunk runs context parallel with (0: never)
 
-    # ---- build ------------------------------------------------------------------------------
+    def __init__(self, model: Transformer, pools: PagedCache, max_model_len: int, max_batch: int,
+                 platform: Platform | None = None, graph: ExecConfig | None = None, rows_mode: str | None = None,
+                 samples: bool = True):
+        self.model, self.pools, self.samples = model, pools, samples
+        self.platform = platform or detect("cpu")
+        self.next_n = pools.config.next_n
+        if self.next_n and not len(model.mtp):
+            raise ValueError("next_n > 0 needs the model's MTP layer (load it with mtp=True)")
+        self.span = 1 + self.next_n
+        self.cfg = graph or ExecConfig()
+        self.graph = (DecodeRunner(model, pools, max_model_len, max_batch, self.platform, self.cfg, rows_mode,
+                                   span=self.span) if self.cfg.graph else None)
+        self.decoder = self.graph.static if self.graph is not None else StaticDecoder(
+            model, pools, max_model_len, self.platform, span=self.span)
+        # of the last step (MTP): this rank's trunk output streams, each request's first row in
+        # them and its last, its holdings; the rollback of its verify spans until ``draft``
+        self.streams: torch.Tensor | None = None
+        self.offsets: dict[str, int] = {}
+        self.last_rows: dict[str, int] = {}
+        self.holdings: dict[str, SeqBlocks] = {}
+        self.spans: SpanRollback | None = None
+        self.carries: dict[bytes, torch.Tensor] = {}     # prefix entry key -> carried streams [n, H]
+        self.bound: dict[str, torch.Tensor] = {}         # req_id -> the carry its first draft takes
+
+    @property
+    def args(self):
+        return self.model.args
+
+    @property
+    def cache_config(self):
+        return self.pools.config
+
+    def new_accounting(self) -> BlockManager:
+        """The block accounting that schedules these pools (``LLMEngine.cache``)."""
+        return BlockManager(self.model.args, self.pools.config)
+
     def warmup(self) -> None:
-        """Compile / capture every (batch, context) bucket now (on CPU the smallest context only;
-        padding rows only: no request state is touched)."""
-        t = time.perf_counter()
-        contexts = self.contexts[:1] if self.platform.kind == "cpu" else list(reversed(self.contexts))
-        for B in reversed(self.buckets):       # largest batch and context first: the graphs share one memory pool
-            for C in contexts:
-                self.step([], B, C)
-        self.platform.synchronize()
-        self.warmup_s = time.perf_counter() - t
-        log.info("decode graphs ready: %s, batch buckets %s, context buckets %s, %.1f s", self.backend,
-                 self.buckets, self.contexts, self.warmup_s)
+        """Compile / capture the graph step's buckets now (nothing without one)."""
+        if self.graph is not None:
+            self.graph.warmup()
 
-    def use_eager(self) -> None:
-        """Run the static step uncompiled: graph mode's math without its compile time (tests)."""
-        self._eager = True
+    def describe(self) -> dict:
+        """How decode runs, for /health: ``exe_mode`` and the graph step's backend / buckets."""
+        g = self.graph
+        return {"exe_mode": self.cfg.exe_mode if g is not None else "eager",
+                "graph": None if g is None else {"backend": g.backend, "buckets": g.buckets,
+                                                 "warmup_s": round(g.warmup_s, 3)}}
 
-    def _fn(self, B: int, C: int):
-        if self._eager:
-            return self.static
-        fn = self._fns.get((B, C))
-        if fn is None:
-            fn = self._fns[(B, C)] = self._capture(B, C) if self.platform.kind == "cuda" else self._compile()
-        return fn
+    # ---- pool changes -------------------------------------------------------------------------
+    def apply_ops(self, ops: list[PoolOp]) -> None:
+        """The accounting's pool changes, in order (``PoolOp``; another DP rank's are skipped)."""
+        for op in ops:
+            if op.rank not in (None, self.rank):
+                continue
+            k, a = op.kind, op.args
+            if k in ("reset", "copy"):
+                self.pools.apply(op)
+            elif k == "carry_save":
+                if self.next_n and self.streams is not None and a[1] in self.last_rows:
+                    self.carries[a[0]] = self.streams[self.last_rows[a[1]]].clone()
+            elif k == "carry_bind":
+                if a[0] in self.carries:
+                    self.bound[a[1]] = self.carries[a[0]]
+            elif k == "carry_drop":
+                self.carries.pop(a[0], None)
+            elif k == "free":
+                self.bound.pop(a[0], None)
+                self.holdings.pop(a[0], None)
 
-    def _compile(self):
-        """One compiled callable for every bucket (a specialisation per bucket shape)."""
-        if self._compiled is None:
-            kind, cfg = self.platform.kind, self.cfg
-            # one specialisation per bucket: keep dynamo from falling back to eager past its limit
-            dyn = torch._dynamo.config
-            kinds = len(layer_kinds(self.static.model)) if kind == "cpu" else 1
-            dyn.recompile_limit = max(dyn.recompile_limit, 2 * kinds * len(self.buckets) * len(self.contexts))
-            if kind == "cpu":
-                # regional: inductor compiles one layer of each kind per bucket (Flash: a handful
-                # of graphs for 43 layers), the step around the layers runs eager
-                self.static.block = torch.compile(self.static.layer_step, fullgraph=True, dynamic=False)
-                self._compiled = self.static
-            elif cfg.exe_mode == "npugraph_ex":
-                self._compiled = _npugraph_ex(self.static.__call__, cfg)
+    # ---- a request's state as named tensors (P/D) --------------------------------------------
+    def load_state(self, held: SeqBlocks, num_tokens: int, tensors: dict[str, torch.Tensor],
+                   layers: list[int] | None = None, ops: list[PoolOp] = (), rank: int | None = None) -> None:
+        """Apply ``ops`` (what the accounting recorded since the last step: the reservation's
+        slot reset first), then write an imported state (``state_tensors`` / ``mtp_state_tensors``
+        names after ``num_tokens`` tokens) into ``held`` (on attention-DP rank ``rank``). Raises
+        ValueError (tensors that do not match; nothing written)."""
+        self.apply_ops(list(ops))
+        load_split(self.pools, held, num_tokens, tensors, layers)
+
+    def state_tensors(self, held: SeqBlocks, num_tokens: int, layers: list[int] | None = None
+                      ) -> dict[str, torch.Tensor]:
+        """``pd_state.state_tensors`` of ``held`` (copies)."""
+        return state_tensors(self.pools, held, num_tokens, layers)
+
+    def mtp_state_tensors(self, held: SeqBlocks, num_tokens: int) -> dict[str, torch.Tensor]:
+        """``pd_state.mtp_state_tensors`` of ``held`` ({} without MTP)."""
+        return mtp_state_tensors(self.pools, held, num_tokens) if self.next_n else {}
+
+    # ---- the step -----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan, layer_hook=None) -> StepResult:
+        """Apply ``plan.pool_ops``, run its rows (``layer_hook(i)`` after layer i, all rows then
+        eager) and sample its sampling rows (on a rank that ``samples``). A failure is returned,
+        not raised (``StepResult.failed``), its exception in ``error``."""
+        self.apply_ops(plan.pool_ops)
+        if not plan.rows:
+            return StepResult()
+        try:
+            hidden = self.forward(plan.rows, layer_hook, plan.eager)
+        except Exception as e:            # noqa: BLE001 - the engine fails the batch's requests
+            log.exception("forward failed; failing %d requests", len(plan.rows))
+            return StepResult(failed="forward", error=e)
+        rows = [r for r in plan.rows if r.samples]
+        if not rows:
+            return StepResult()
+        try:
+            logits = self.model.logits(hidden)
+            if not self.samples:
+                return StepResult()
+            t = time.perf_counter()
+            want = [s for r in rows for s in r.sampling]
+            # the step's one copy to the host: ids, requested logprobs and finite flags
+            sampled, finite = unpack(sample_device(logits, want, plan.grammar).tolist(), want)
+            sample_s = time.perf_counter() - t
+        except Exception as e:            # noqa: BLE001
+            log.exception("logits / sampling failed; failing %d requests", len(rows))
+            return StepResult(failed="sample", error=e)
+        out, i = [], 0
+        for r in rows:
+            n, i = 1 + r.num_drafts, i + 1 + r.num_drafts
+            got = sampled[i - n:i]
+            drafts = r.token_ids[r.num_tokens - r.num_drafts:]
+            out.append(RowResult(r.req_id, got, num_accepted([g.token_id for g in got], drafts),
+                                 all(finite[i - n:i])))
+        return StepResult(out, sample_s=sample_s)
+
+    def forward(self, rows: list[ScheduledRow], layer_hook=None, eager: bool = False) -> torch.Tensor:
+        """Run ``rows`` (``eager``: all through ``forward_batch``) -> hidden ``[R, H]`` of the
+        sampling rows' last ``1 + num_drafts`` positions, in row order; with MTP the output
+        streams are kept for ``draft``."""
+        hidden = self.run_rows(rows, layer_hook, eager=eager or layer_hook is not None)
+        return hidden[self.sample_index(rows, hidden.device)]
+
+    def run_rows(self, rows: list[ScheduledRow], layer_hook=None, every: list[ScheduledRow] | None = None,
+                 eager: bool = False) -> torch.Tensor:
+        """Hidden ``[sum(num_tokens), H]`` of ``rows`` (this rank's), prefill chunks eager and
+        decode rows through the decode step; with MTP the streams, offsets and holdings kept and
+        the verify spans' ``SpanRollback`` made before the decode step writes. ``every``: all
+        ranks' rows (attention DP; None: ``rows``): a part runs here, with no rows if need be,
+        when any rank has rows of it, so every rank makes the same collective calls. ``eager``:
+        no row through the decode step."""
+        m, dev = self.model, self.pools.device
+        nums = [r.num_tokens for r in rows]
+        offs = [0, *accumulate(nums)]
+
+        def fast_row(r: ScheduledRow) -> bool:
+            return not eager and r.num_tokens <= self.span
+        fast = [i for i, r in enumerate(rows) if fast_row(r)]
+        rest = [i for i, r in enumerate(rows) if not fast_row(r)]
+        every = rows if every is None else every
+        mtp = self.next_n > 0
+        hidden = torch.empty(offs[-1], m.args.hidden_size, dtype=m.dtype, device=dev)
+        streams = torch.empty(offs[-1], m.args.hc_mult, m.args.hidden_size, dtype=m.residual_dtype,
+                              device=dev) if mtp else None
+
+        def put(sel: list[int], got) -> None:
+            idx = torch.tensor([j for i in sel for j in range(offs[i], offs[i + 1])], dtype=torch.long, device=dev)
+            if mtp:
+                hidden[idx], streams[idx] = got
             else:
-                self._compiled = _ge_graph(self.static.__call__, cfg)
-        return self._compiled
+                hidden[idx] = got
 
-    def _rows(self):
-        """The model's row mode for a step (fixed counts), or nothing on a single rank."""
-        return self.parallel.rows(self.rows_mode, fixed=True) if self.parallel is not None else nullcontext()
+        if mtp:
+            spans = [(rows[i].req_id, rows[i].state_slot, rows[i].start, nums[i]) for i in fast if rows[i].num_drafts]
+            self.spans = SpanRollback(self.pools, spans) if spans else None
+        if any(not fast_row(r) for r in every):
+            put(rest, self.eager(rows, rest, layer_hook))
+        if any(fast_row(r) for r in every):
+            put(fast, self.decode(rows, fast, every))
+        if mtp:
+            self.streams = streams
+            self.offsets = {r.req_id: o for r, o in zip(rows, offs)}
+            self.last_rows = {r.req_id: o - 1 for r, o in zip(rows, offs[1:])}
+            self.holdings = {r.req_id: SeqBlocks(r.state_slot, r.block_tables) for r in rows}
+        return hidden
 
-    def _capture(self, B: int, C: int):
-        """A CUDA graph of the step for batch bucket B and context bucket C, replayed over static
-        input buffers."""
-        p = self.platform
-        bufs = [t.to(self.device) for t in self._inputs([], B, C)]
-        s = p.new_stream()
-        with p.side_stream(s):                 # warm-up launches outside the capture (cuBLAS handles)
-            for _ in range(2):
-                self.static(*bufs)
-        p.join(s)
-        graph = p.new_graph()
-        if self._pool is None:
-            self._pool = p.graph_pool_handle()
-        with p.capture(graph, pool=self._pool):
-            out = self.static(*bufs)
+    def eager(self, rows: list[ScheduledRow], sel: list[int], layer_hook=None):
+        """Rows ``sel`` through ``Transformer.forward_batch`` -> hidden (with MTP: and streams)."""
+        dev = self.pools.device
+        toks = torch.tensor([t for i in sel for t in rows[i].token_ids], dtype=torch.long, device=dev)
+        states = [self.pools.sequence_state(SeqBlocks(rows[i].state_slot, rows[i].block_tables), rows[i].start)
+                  for i in sel]
+        return self.model.forward_batch(toks, states, [rows[i].num_tokens for i in sel], layer_hook=layer_hook,
+                                        streams=self.next_n > 0)
 
-        def replay(*inputs: torch.Tensor) -> torch.Tensor:
-            for buf, t in zip(bufs, inputs):
-                buf.copy_(t, non_blocking=True)
-            graph.replay()
-            return out
-        return replay
+    def decode(self, rows: list[ScheduledRow], sel: list[int], every: list[ScheduledRow] | None = None):
+        """Rows ``sel`` through the decode step (the captured one in graph mode); ``every``:
+        ``run_rows``'."""
+        step = [(rows[i].token_ids, rows[i].start, rows[i].state_slot, rows[i].block_tables) for i in sel]
+        return self.graph.run(step) if self.graph is not None else self.decoder.run(step)
 
-    # ---- run --------------------------------------------------------------------------------
-    def _inputs(self, rows: list[tuple[list[int], int, int, dict]], B: int, C: int) -> list[torch.Tensor]:
-        """(token ids, first position, state slot, block tables) per row -> the step's ``B * span``
-        flat rows (``StaticDecoder``: token j of row b at ``b * span + j``, padding past a row's
-        tokens and past its rows), with the entry tables of context bucket C."""
-        T, c = self.span, self.cache
-        assert len(rows) <= B and all(1 <= len(r[0]) <= T for r in rows)
-        tokens = torch.zeros(B * T, dtype=torch.long)
-        positions = torch.zeros(B * T, dtype=torch.long)
-        slots = torch.full((B * T,), c.pad_slot, dtype=torch.long)
-        blocks: list[dict | None] = [None] * (B * T)
-        for b, (toks, pos, slot, tables) in enumerate(rows):
-            n = len(toks)
-            tokens[b * T:b * T + n] = torch.tensor(toks, dtype=torch.long)
-            positions[b * T:b * T + n] = torch.arange(pos, pos + n)
-            slots[b * T:b * T + n] = slot
-            blocks[b * T:b * T + n] = [tables] * n
-        t = self.static.tables(blocks, B * T, C)
-        out = [tokens, positions, slots, t["win"], t["c4"], t["c128"]]
-        return [x.to(self.device, non_blocking=True) for x in out]
+    @staticmethod
+    def sample_index(rows: list[ScheduledRow], device) -> torch.Tensor:
+        """Packed rows of each sampling row's last ``1 + num_drafts`` positions, in row order."""
+        idx, off = [], 0
+        for r in rows:
+            off += r.num_tokens
+            if r.samples:
+                idx += range(off - 1 - r.num_drafts, off)
+        return torch.tensor(idx, dtype=torch.long, device=device)
 
-    def bucket(self, n: int) -> int:
-        """The smallest bucket holding ``n`` rows. Raises ValueError past the largest."""
-        for B in self.buckets:
-            if B >= n:
-                return B
-        raise ValueError(f"decode runner: {n} rows exceed the largest bucket {self.buckets[-1]}")
+    # ---- MTP ----------------------------------------------------------------------------------
+    def draft(self, plan: DraftPlan) -> list[list[int]]:
+        """Roll back the rejected tails of the last step's verify spans (``plan.settle``; spans
+        not settled belong to requests that ended), then the MTP catch-up and drafts
+        (``run_drafts``) -> each plan row's drafts."""
+        if self.spans is not None:
+            for rid, kept in plan.settle:
+                self.spans.settle(rid, kept)
+            self.spans.apply()
+            self.spans = None
+        if not plan.rows:
+            return []
+        rows, carries = self.carried(plan.rows)
+        return run_drafts(self.model, self.pools, self.decoder, self.streams, self.offsets, self.holdings, carries,
+                          rows, plan.steps)
 
-    def context_bucket(self, n: int) -> int:
-        """The smallest context bucket holding ``n`` tokens. Raises ValueError past max_model_len."""
-        for C in self.contexts:
-            if C >= n:
-                return C
-        raise ValueError(f"decode runner: {n} tokens exceed max_model_len {self.contexts[-1]}")
-
-    def run(self, rows: list[tuple[list[int], int, int, dict]]):
-        """rows: (token ids (1 .. span of them), first position, state slot, {pool: block ids})
-        -> hidden ``[n, H]`` of the rows' n tokens in order; with span > 1 also their output
-        streams ``[n, hc, H]`` (``StaticDecoder``).
-
-        Each row's state must already hold room for its tokens (the scheduler allocates first).
-        """
-        B, C = self.bucket(len(rows)), self.context_bucket(max(r[1] + len(r[0]) for r in rows))
-        out = self.step(rows, B, C)
-        if self.span == 1:
-            return out[: len(rows)]
-        T = self.span
-        idx = torch.tensor([b * T + j for b, r in enumerate(rows) for j in range(len(r[0]))], device=self.device)
-        return tuple(o[idx] for o in out)
-
-    def step(self, rows: list[tuple[list[int], int, int, dict]], B: int, C: int):
-        """``run``'s step at batch bucket B and context bucket C chosen by the caller (on several
-        ranks every rank must use the same ones; a rank without rows runs padding) -> what the
-        ``StaticDecoder`` returns for the ``B * span`` flat rows (``_inputs``)."""
-        with self._rows():
-            return self._fn(B, C)(*self._inputs(rows, B, C))
-
-
-def forward_packed(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor,
-                   hook=None, spec: bool = False):
-    """Hidden states ``[sum(num_tokens), H]`` of a scheduled batch (``ids``: its token ids on the
-    host, ``tokens`` on the device; ``hook``: the forward's layer hook): all eager through
-    ``executor``, or with a graph ``runner`` its rows of up to ``runner.span`` tokens (decode; an
-    MTP engine's verify spans) through the runner and the rest eager (prefill).
-
-    ``spec``: an MTP step (``spec_graph``): returns (hidden, output streams ``[sum(num_tokens), n,
-    H]``), the MTP layer's input (``Transformer.forward_batch(streams=True)``).
-    """
-    cache, nums = executor.cache, batch.num_tokens
-    span = runner.span if runner is not None else 0
-    fast = [i for i, n in enumerate(nums) if n <= span]
-    rest = [i for i, n in enumerate(nums) if n > span]
-
-    def eager(tok: torch.Tensor, sel: list[int], **kw):
-        if spec:                        # only asked for: a multi-rank executor's forward_batch takes no flag
-            kw["streams"] = True
-        states = [cache.sequence_state(batch.seqs[i].seq_id, batch.seqs[i].num_computed) for i in sel]
-        return executor.forward_batch(tok, states, [nums[i] for i in sel], **kw)
-
-    if not fast:
-        return eager(tokens, rest, layer_hook=hook)
-    m, dev = executor.model, tokens.device
-    offs = [0, *accumulate(nums)]
-    shapes = [(m.args.hidden_size,), (m.args.hc_mult, m.args.hidden_size)][:1 + spec]
-    outs = [torch.empty(tokens.shape[0], *sh, dtype=dt, device=dev) for sh, dt in zip(shapes, (m.dtype, m.residual_dtype))]
-
-    def packed(sel: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(offs[i], offs[i + 1]) for i in sel]).to(dev)
-
-    def put(idx: torch.Tensor, got) -> None:
-        for o, g in zip(outs, got if spec else (got,)):
-            if g is not None:           # a multi-rank leader's streams stay on each rank
-                o[idx] = g
-
-    if rest:
-        idx = packed(rest)
-        put(idx, eager(tokens[idx], rest))
-    held = [cache.seqs[batch.seqs[i].seq_id] for i in fast]
-    rows = [(ids[offs[i]:offs[i + 1]], batch.seqs[i].num_computed, h.state_slot, h.tables) for i, h in zip(fast, held)]
-    put(packed(fast), executor.decode_rows(runner, rows, [batch.seqs[i].seq_id for i in fast]))
-    return tuple(outs) if spec else outs[0]
-
-
-def spec_graph(executor, runner: "DecodeRunner | None", batch, ids: list[int], tokens: torch.Tensor):
-    """An MTP step's graph forward for ``Executor.forward_spec`` (``forward_packed`` with
-    ``spec``), or None to run it eager: no runner, or on several ranks (``executor.rows_mode``)
-    a batch with a prefill chunk longer than the span (each rank keeps the streams of its graph
-    rows only, so a step is all graph or all eager there)."""
-    if runner is None or (executor.rows_mode is not None and max(batch.num_tokens) > runner.span):
-        return None
-    want = 1 + runner.cache.config.next_n
-    if runner.span != want:           # a longer verify span would run eager with no rollback
-        raise ValueError(f"an MTP engine's graph runner needs span 1 + next_n = {want}, got {runner.span}")
-    return lambda: forward_packed(executor, runner, batch, ids, tokens, spec=True)
-
-
-def _npugraph_ex(fn, cfg: ExecConfig):
-    """Ascend AclGraph capture through torch.compile (§8.4): ``backend="npugraph_ex"`` with
-    frozen parameters, static kernels and the super-kernel option as configured; with
-    ``enable_cache_compile`` the compiled graph is cached under ``compile_dir``."""
-    importlib.import_module("torch_npu")       # registers the npugraph_ex backend
-    options = {"frozen_parameter": True, "static_kernel_compile": cfg.static_kernel,
-               "super_kernel_optimize": cfg.superkernel}
-    if cfg.cache_compile:
-        cache_dir = str(Path(cfg.compile_dir or ".") / "compile_cache")
-        return torch.npu.npugraph_ex.inference.cache_compile(fn, cache_dir=cache_dir, options=options)
-    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=cfg.dynamic_graph, options=options)
-
-
-def _ge_graph(fn, cfg: ExecConfig):
-    """torchair GE graph (§8.4): ``get_npu_backend(CompilerConfig)`` with frozen parameters and
-    StableRDFS topological sorting."""
-    import torchair
-    conf = torchair.CompilerConfig()
-    conf.experimental_config.frozen_parameter = True
-    conf.experimental_config.topology_sorting_strategy = "StableRDFS"
-    return torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=conf), fullgraph=True, dynamic=False)
+    def carried(self, rows: list[DraftRow]) -> tuple[list[DraftRow], dict]:
+        """``rows`` with each carry taken from the request's bound entry; a row whose entry
+        left none (it was made without MTP streams) starts one position later instead."""
+        carries, out = {}, []
+        for r in rows:
+            if r.carry and r.req_id in self.bound:
+                carries[r.req_id] = self.bound.pop(r.req_id)
+                out.append(r)
+            elif r.carry:
+                out.append(DraftRow(r.req_id, r.row0, r.q0 + 1, r.tokens[1:], r.want))
+            else:
+                out.append(r)
+        return out, carries

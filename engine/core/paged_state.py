@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import CSA_RATIO
-from engine.core.batched_decode import DecodeRows, DecodeSpans
 from engine.core.block_manager import SeqBlocks, slot_mapping
 from engine.model.state import CompressorState
 from engine.ops.cache_codec import CacheRows
@@ -90,12 +89,6 @@ class PagedLayerState:
         st.num_tokens, st.cache = num_tokens, cache
         return st
 
-    def decode_context(self, states: list, spans: list[tuple[int, int, int]],
-                       window: int) -> DecodeRows | DecodeSpans | None:
-        """As ``PagedSequenceState.decode_context``, for window-only layer states (``window_only``:
-        an MTP layer's rings), whose spans of up to ``1 + next_n`` rows then attend together."""
-        return DecodeSpans.build(self.cache, states, spans, window, 1 + self.cache.config.next_n)
-
     def ring_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """Flat window-pool rows of token ``positions`` (long) in this request's ring."""
         return slot_mapping(self.win_table, self.bs, positions % self.ring)
@@ -138,10 +131,3 @@ class PagedSequenceState:
         self.layers = [PagedLayerState(cache, l, held, tables, num_tokens) if keep is None or l in keep else None
                        for l in range(cache.geometry.num_layers)]
         self.num_tokens = num_tokens
-
-    def decode_context(self, states: list, spans: list[tuple[int, int, int]],
-                       window: int) -> DecodeRows | DecodeSpans | None:
-        """The model's per-step batched-decode context (``Transformer.forward_batch``): the spans
-        of ``states`` over this state's pools with one token, or up to ``1 + next_n`` (MTP verify
-        spans), run together (``DecodeRows`` / ``DecodeSpans``)."""
-        return DecodeSpans.build(self.cache, states, spans, window, 1 + self.cache.config.next_n)

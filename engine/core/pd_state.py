@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import CSA_RATIO
+from engine.core.block_manager import SeqBlocks
 from engine.core.paged_state import PagedSequenceState
 
 if TYPE_CHECKING:
@@ -21,9 +22,9 @@ if TYPE_CHECKING:
 
 
 # ---- a request's state as named tensors (what P ships to D, reference §4) ----------------------
-def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable[int] | None = None
+def state_tensors(cache: "PagedCache", held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None
                   ) -> dict[str, torch.Tensor]:
-    """The live decode state of ``seq_id`` after ``num_tokens`` (= L) tokens, no padding.
+    """The live decode state of the holding ``held`` after ``num_tokens`` (= L) tokens, no padding.
 
     Per layer l (rows as stored: ``expected_shapes`` gives each part's width and dtype):
     ``layers.l.win_kv`` ``min(L, W-1)`` rows (positions L-W+1 .. L-1: what step L reads); CSA /
@@ -33,7 +34,7 @@ def state_tensors(cache: "PagedCache", seq_id, num_tokens: int, layers: Iterable
     ``...prev_kv`` / ``...prev_score`` ``[m, d]``. Returns copies (contiguous). ``layers``: only
     these layers (P/D pushes each layer as soon as its state is final).
     """
-    st = PagedSequenceState(cache, cache.seqs[seq_id], num_tokens, layers)
+    st = PagedSequenceState(cache, held, num_tokens, layers)
     out: dict[str, torch.Tensor] = {}
     for l, layer in enumerate(st.layers):
         if layer is None:
@@ -132,9 +133,9 @@ def check_state_tensors(cache, num_tokens: int, tensors: dict[str, torch.Tensor]
     return layers
 
 
-def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
+def load_state_tensors(cache: "PagedCache", held: SeqBlocks, num_tokens: int, tensors: dict[str, torch.Tensor],
                        layers: Iterable[int] | None = None) -> None:
-    """Write ``state_tensors`` output into ``seq_id``'s (already allocated, freshly reset) state;
+    """Write ``state_tensors`` output into the holding ``held`` (already allocated, freshly reset);
     ``layers``: only these layers (each written once).
 
     Raises:
@@ -142,7 +143,7 @@ def load_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: di
             before the first write).
     """
     layers = check_state_tensors(cache, num_tokens, tensors, layers)
-    st = PagedSequenceState(cache, cache.seqs[seq_id], 0, layers)
+    st = PagedSequenceState(cache, held, 0, layers)
     for l, layer in enumerate(st.layers):
         if layer is None:
             continue
@@ -178,20 +179,20 @@ def sequence_state_tensors(st, num_tokens: int) -> dict[str, torch.Tensor]:
 
 
 # ---- the MTP layers' window rings (next_n > 0): final only after the step that drafts ----------
-def mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int) -> dict[str, torch.Tensor]:
+def mtp_state_tensors(cache: "PagedCache", held: SeqBlocks, num_tokens: int) -> dict[str, torch.Tensor]:
     """``mtp.k.win_kv``: MTP layer k's ring rows of positions L-n .. L-1, n = min(L, W-1), as
     stored (what the first verify step's MTP catch-up reads). Empty without MTP pools."""
     out: dict[str, torch.Tensor] = {}
     for k in range(len(cache.mtp_win)):
-        st = cache.mtp_state(seq_id, num_tokens, k)
+        st = cache.mtp_state(held, num_tokens, k)
         pos = torch.arange(num_tokens - min(num_tokens, st.window - 1), num_tokens, device=st.win_pool.device)
         out.update(part_names(f"mtp.{k}.win_kv", st.win_pool.gather(st.ring_rows(pos))))
     return out
 
 
-def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors: dict[str, torch.Tensor],
-                           check_only: bool = False) -> None:
-    """Write ``mtp_state_tensors`` output into ``seq_id``'s MTP rings (``check_only``: only raise
+def load_mtp_state_tensors(cache: "PagedCache", held: SeqBlocks | None, num_tokens: int,
+                           tensors: dict[str, torch.Tensor], check_only: bool = False) -> None:
+    """Write ``mtp_state_tensors`` output into ``held``'s MTP rings (``check_only``: only raise
     what writing would).
 
     Raises:
@@ -209,10 +210,29 @@ def load_mtp_state_tensors(cache: "PagedCache", seq_id, num_tokens: int, tensors
     if check_only:
         return
     for k in range(len(cache.mtp_win)):
-        st = cache.mtp_state(seq_id, num_tokens, k)
+        st = cache.mtp_state(held, num_tokens, k)
         pos = torch.arange(num_tokens - n, num_tokens, device=st.win_pool.device)
         st.win_pool.scatter(st.ring_rows(pos), _parts(tensors, f"mtp.{k}.win_kv"))
 
 
 def _parts(tensors: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, ...]:
     return tuple(t for t in (tensors[name], tensors.get(part_name(name, 1))) if t is not None)
+
+
+def load_split(cache: "PagedCache", held: SeqBlocks | None, num_tokens: int, tensors: dict[str, torch.Tensor],
+               layers: list[int] | None = None, check_only: bool = False) -> None:
+    """``load_state_tensors`` for the trunk's names and ``load_mtp_state_tensors`` for ``mtp.*``
+    (a call with only MTP rings writes no trunk layer), both checked before either writes.
+    ``check_only``: raise what writing would (ValueError), write nothing (``held`` may be None)."""
+    mtp = {k: v for k, v in tensors.items() if k.startswith("mtp.")}
+    trunk = {k: v for k, v in tensors.items() if k not in mtp}
+    if trunk or not mtp:
+        check_state_tensors(cache, num_tokens, trunk, layers)
+    if mtp:
+        load_mtp_state_tensors(cache, held, num_tokens, mtp, check_only=True)
+    if check_only:
+        return
+    if trunk or not mtp:
+        load_state_tensors(cache, held, num_tokens, trunk, layers)
+    if mtp:
+        load_mtp_state_tensors(cache, held, num_tokens, mtp)

@@ -53,15 +53,15 @@ def chain_hashes(token_ids: Sequence[int], num_chunks: int) -> list[bytes]:
 class PrefixEntry:
     """A cached boundary state: ``num_tokens`` (a multiple of 128), the blocks it holds
     (``engine.core.block_manager.SeqBlocks``: its own ring and state slot, shared entry blocks)
-    and its prefix's chunk hashes. ``carry`` (MTP engines): the trunk's output streams at position
-    ``num_tokens - 1`` (``[n, H]`` fp32, a torch tensor), which a reusing request's MTP layer takes
-    with ITS token at ``num_tokens`` to redo that one ring row: the row depends on the token
-    after the boundary, which the key does not cover (``spec_decode.SpecDecoder.draft``)."""
+    and its prefix's chunk hashes. An MTP engine's runner also keeps, under the entry's key, the
+    trunk's output streams at position ``num_tokens - 1`` (its carry, ``PoolOp`` "carry_save"),
+    which a reusing request's MTP layer takes with ITS token at ``num_tokens`` to redo that one
+    ring row: the row depends on the token after the boundary, which the key does not cover
+    (``spec_decode.SpecDecoder.plan``)."""
 
     num_tokens: int
     blocks: object
     chain: tuple[bytes, ...]
-    carry: object = None
 
 
 @dataclass
@@ -106,19 +106,19 @@ class PrefixCache:
             self.entries.move_to_end(key)
         return entry
 
-    def pop_lru(self, keep: bytes | None = None, evicted: bool = True) -> PrefixEntry | None:
-        """Remove and return the least recently used entry other than ``keep`` (None: none left);
-        ``evicted``: count it in ``evictions`` (a reset does not)."""
+    def pop_lru(self, keep: bytes | None = None, evicted: bool = True) -> tuple[bytes | None, PrefixEntry | None]:
+        """Remove the least recently used entry other than ``keep``: (its key, it), or (None,
+        None) when none is left; ``evicted``: count it in ``evictions`` (a reset does not)."""
         key = next((k for k in self.entries if k != keep), None)
         if key is None:
-            return None
+            return None, None
         entry = self.entries.pop(key)
         self.evictions += evicted
         for h in entry.chain:
             self._known[h] -= 1
             if not self._known[h]:
                 del self._known[h]
-        return entry
+        return key, entry
 
     def count(self, queried: int, hit: int) -> None:
         self.queries += queried

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from engine.core.block_manager import BlockManager
 from engine.core.prefix_cache import CHUNK
 from engine.core.request import FinishReason, Sequence, SeqStatus
+from engine.core.sampling_params import SampleRow
+from engine.core.step import ScheduledRow, StepPlan
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class SchedulerLimits:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: ``num_tokens[i]`` pending tokens of ``seqs[i]``; who was preempted."""
+    """One step's work as the engine keeps it: ``num_tokens[i]`` pending tokens of ``seqs[i]``
+    (then its ``spec_k`` drafts); who was preempted."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
@@ -55,14 +58,15 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue (arrival order) and the running set, and their cache holdings.
 
-    ``cache`` answers what fits (``can_allocate``, ``rank_of``); holdings change through
-    ``executor`` (``engine.core.executor.Executor``: a multi-rank one repeats them on every rank),
-    or, without one, on ``cache`` itself.
+    ``cache`` is the accounting (``BlockManager``, or attention DP's ``DPCache``): what fits, who
+    holds what; the pool changes it records travel in the step's plan (``StepPlan.pool_ops``).
+    ``cp_first_chunk``: the fewest tokens a prompt's first chunk runs context parallel with (0:
+    never); no prefix-cache boundary is kept that would cut such a chunk shorter.
     """
 
-    def __init__(self, cache: BlockManager, limits: SchedulerLimits, executor=None):
-        self.cache, self.limits = cache, limits
-        self.blocks = cache if executor is None else executor     # allocate / free go here
+    def __init__(self, cache: BlockManager, limits: SchedulerLimits, cp_first_chunk: int = 0):
+        self.cache, self.limits, self.cp_first_chunk = cache, limits, cp_first_chunk
+        self.blocks = cache
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -90,7 +94,26 @@ class Scheduler:
         """Tokens to hold at admission: the pending sequence plus the decode reserve."""
         return min(seq.num_tokens + self.limits.num_reserved_decode_tokens, self.limits.max_model_len)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> tuple[StepPlan, ScheduledBatch]:
+        """One step: the plan for the model runner (rows with their holdings, the pool changes
+        recorded since the last step) and the same work as the engine's ``Sequence`` s."""
+        batch = self._pick()
+        plan = StepPlan([self.row(s, n) for s, n in zip(batch.seqs, batch.num_tokens)],
+                        self.cache.take_ops(), [s.seq_id for s in batch.preempted])
+        return plan, batch
+
+    def row(self, seq: Sequence, n: int) -> ScheduledRow:
+        """``seq``'s part of the step: ``n`` tokens from ``num_computed``, its ``spec_k`` drafts
+        last; a row whose pending tokens all run samples its last ``1 + spec_k`` positions."""
+        k = seq.spec_k
+        held = self.cache.seqs[seq.seq_id]
+        samples = seq.num_computed + n - k == seq.num_tokens
+        sampling = [SampleRow(seq.params, seq.num_tokens + j, seq.prompt_ids, seq.output_ids + seq.draft_ids[:j])
+                    for j in range(1 + k)] if samples else []
+        return ScheduledRow(seq.seq_id, seq.num_computed, seq.pending_ids(n), k, samples, held.state_slot,
+                            held.tables, self.cache.rank_of(seq.seq_id), sampling)
+
+    def _pick(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         # 1. decodes (and single-token remainders), oldest first; preempt the newest on a full cache
         for seq in sorted(self.running, key=lambda s: s.order):
@@ -152,7 +175,7 @@ class Scheduler:
         held = self.blocks.allocate(seq.seq_id, self._target(seq), plan.hit)
         seq.num_computed = seq.num_cached = held.num_cached
         # a context-parallel first chunk is worth more than an entry at a short shared prefix
-        cp_min = self.blocks.cp_first_chunk() if hasattr(self.blocks, "cp_first_chunk") else 0
+        cp_min = self.cp_first_chunk
         low = cp_min if cp_min and not seq.num_computed and seq.num_tokens >= cp_min else seq.num_computed + 1
         seq.snapshots = [(n, key, plan.chain[:n // CHUNK]) for n, key in plan.snapshots if n >= low]
         prefix.count(seq.num_tokens, seq.num_cached)
@@ -176,9 +199,9 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._enqueue(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason, keep_state: bool = False) -> None:
-        """Mark ``seq`` finished and free all it holds, wherever it is (``keep_state``: leave its
-        cache holdings for the caller to export and free)."""
+    def finish(self, seq: Sequence, reason: FinishReason | None, keep_state: bool = False) -> None:
+        """Mark ``seq`` finished (``reason`` None: handed off, P/D) and free all it holds, wherever
+        it is (``keep_state``: leave its cache holdings for the caller to export and free)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -21,8 +21,14 @@ by each row's position, so the flat rows run as one batch: the window ring takes
 before attention reads it (the ring holds ``sliding_window + next_n`` rows, so a later token of the
 span never overwrites a row an earlier one reads), and an entry a span token closes is visible
 only to rows at or past its position. The compressor's remainder is one state slot per sequence,
-so its T tokens update it in order (j = 0 .. T-1), as the eager path's verify sub-steps do
-(``engine.core.batched_decode.DecodeSpans``).
+so its T tokens update it in order (j = 0 .. T-1) (``engine.core.decode_compress``).
+
+The same code is the eager batched decode path (``run``): uncompiled, with the rows' positions
+also on the host (``pos``), the seam's decode ops take their exact per-row form (entries grouped
+by count, no masked tail: ``engine.ops.reference.decode``) and the MoE its eager form
+(``MoE.forward``), so each row's result is the bits of the per-sequence path
+(``Attention.forward``; ``tests/engine/test_batched_decode.py``). The MTP layer's short rows
+(verify catch-up, chained drafts) run through it too (``mtp``).
 """
 from __future__ import annotations
 
@@ -33,56 +39,21 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from engine.core.kv_cache import PagedCache
-from engine.core.paged_state import slot_mapping
 from engine.checkpoint.fp8_mxfp4 import byte_lut
 from engine.config import CSA_RATIO
-from engine.model.attention import Attention, Compressor
+from engine.core.block_manager import slot_mapping
+from engine.core.decode_compress import compress_span
+from engine.core.kv_cache import PagedCache
+from engine.model.attention import Attention
 from engine.model.moe import MoE
 from engine.model.transformer import Block, Transformer
 from engine.ops import reference
-from engine.ops.packed import Packed, dequant
+from engine.ops.reference.moe import moe_experts_gathered
 from engine.platform import Platform, detect
 
 # A3 core budgets per branch (reference §8.3): (AI-cube, AI-vector) cores
 CORES_COMPRESSOR = (16, 32)
 CORES_MAIN = (24 - 8, 2 * (24 - 8))
-
-
-def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float,
-                         act: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Routed experts without host syncs: each of the k slots gathers its rows' expert weights.
-
-    Same math as ``reference.moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per
-    slot, so it suits decode buckets, not prefill. Accumulates in fp32 in slot order.
-
-    Args:
-        x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
-            ``Packed`` (the B gathered experts' stored bytes are dequantised, ``B * I * H`` elements).
-        act: activation quantisation (``reference.moe_experts``).
-        out_dtype: the result's dtype (None: x.dtype); fp32 keeps the sum unrounded.
-    Returns:
-        ``[B, H]`` in ``out_dtype``.
-    """
-    if act is not None:
-        x = reference.act_quant(x, act)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    xb = x.unsqueeze(-1)                                                        # [B, H, 1]
-    for j in range(ids.shape[1]):
-        e = ids[:, j]
-        g = torch.bmm(_gathered(w1, e, x.dtype), xb).squeeze(-1)                # [B, I]
-        u = torch.bmm(_gathered(w3, e, x.dtype), xb).squeeze(-1)
-        h = reference.swiglu_clamp(g, u, limit)
-        if act is not None:
-            h = reference.act_quant(h, act)
-        y = torch.bmm(_gathered(w2, e, x.dtype), h.unsqueeze(-1)).squeeze(-1)   # [B, H]
-        out += y.float() * weights[:, j:j + 1].float()
-    return out.to(out_dtype or x.dtype)
-
-
-def _gathered(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Experts ``idx`` (``[B]``) of stacked weights, dense ``[B, N, K]`` of ``dtype``."""
-    return dequant(w.take(idx), dtype) if isinstance(w, Packed) else w[idx].to(dtype)
 
 
 class LayerInputs(NamedTuple):
@@ -100,7 +71,8 @@ class LayerInputs(NamedTuple):
 
 
 class StaticDecoder:
-    """One decode step for B sequences (one token each) with fixed shapes.
+    """The decode step for B sequences (``span`` tokens each at most): fixed shapes for a graph,
+    exact per-row ops eager (``run``).
 
     Args:
         model: the loaded ``Transformer`` (its ops table is used for the row-wise ops).
@@ -126,7 +98,7 @@ class StaticDecoder:
         self.bs = g.block_size
         self.widths = {"win": g.blocks_needed("win", 0), "c4": g.blocks_needed("c4", max_model_len),
                        "c128": g.blocks_needed("c128", max_model_len)}
-        dev = model.embed.weight.device
+        dev = self.device = model.embed.weight.device
         pos = torch.arange(max_model_len, device=dev)
         # same fp32 values as RotaryTable.cos_sin per step, looked up instead of computed (no fp64)
         self.rope = {id(model.rope_main): model.rope_main.cos_sin(pos),
@@ -179,39 +151,109 @@ class StaticDecoder:
             out[pool] = t
         return out
 
+    def inputs(self, rows: list[tuple[list[int], int, int, dict]], B: int, T: int, C: int
+               ) -> tuple[list[torch.Tensor], list[int]]:
+        """(token ids, first position, state slot, block tables) per row -> the step's ``B * T``
+        flat rows (token j of row b at ``b * T + j``, padding past a row's tokens and past its
+        rows) on the device, with the entry tables of context C, and the flat rows' positions on
+        the host."""
+        c = self.cache
+        assert len(rows) <= B and all(1 <= len(r[0]) <= T for r in rows)
+        toks, pos, slots = [0] * (B * T), [0] * (B * T), [c.pad_slot] * (B * T)
+        blocks: list[dict | None] = [None] * (B * T)
+        for b, (ids, p0, slot, tables) in enumerate(rows):
+            n = len(ids)
+            toks[b * T:b * T + n] = ids
+            pos[b * T:b * T + n] = range(p0, p0 + n)
+            slots[b * T:b * T + n] = [slot] * n
+            blocks[b * T:b * T + n] = [tables] * n
+        t = self.tables(blocks, B * T, C)
+        out = [torch.tensor(toks, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+               torch.tensor(slots, dtype=torch.long), t["win"], t["c4"], t["c128"]]
+        return [x.to(self.device, non_blocking=True) for x in out], pos
+
+    def run(self, rows: list[tuple[list[int], int, int, dict]]):
+        """The eager batched decode step: ``rows`` as ``inputs`` takes them (1 .. ``span`` tokens
+        each, room already allocated) -> hidden ``[n, H]`` of their n tokens in order, with
+        ``span`` > 1 also their output streams ``[n, hc, H]``; the pools advance. Exact per row
+        (module docstring); spans are padded to the longest in ``rows``, not to ``span``. No rows:
+        a step of zero rows (an idle attention-DP rank still joins the collectives)."""
+        T = max((len(r[0]) for r in rows), default=1)
+        inputs, pos = self.inputs(rows, len(rows), T, max((r[1] + len(r[0]) for r in rows), default=1))
+        out = self(*inputs, pos=pos, span=T)
+        if T == 1:
+            return out
+        idx = torch.tensor([b * T + j for b, r in enumerate(rows) for j in range(len(r[0]))], dtype=torch.long,
+                           device=self.device)
+        return tuple(o[idx] for o in out) if isinstance(out, tuple) else out[idx]
+
     # ---- the step --------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, win_table: torch.Tensor,
-                 c4_table: torch.Tensor, c128_table: torch.Tensor):
+                 c4_table: torch.Tensor, c128_table: torch.Tensor, pos: list[int] | None = None,
+                 span: int | None = None):
         """Run ``span`` flat rows per sequence (one token each) and update the pools.
 
         Args:
             tokens, positions, slots: ``[B * T]`` int64 (token id, its position = tokens already
                 in the state before it, state slot; padding: 0, 0, ``cache.pad_slot``).
                 win_table / c4_table / c128_table: ``[B * T, width]`` int64 (``tables``).
+            pos: the positions on the host (the eager step: exact per-row ops); None: the
+                fixed-shape step (masked, no host positions: what a graph captures).
+            span: T (None: the decoder's ``span``).
         Returns:
             ``[B * T, H]`` final hidden states (after hc_head and the final norm), compute dtype;
-            with T > 1 also the ``[B * T, n, H]`` output streams before hc_head (residual dtype:
-            the MTP layer's input, as ``Transformer.forward_batch(streams=True)``).
+            with a decoder ``span`` > 1 also the ``[B * T, n, H]`` output streams before hc_head
+            (residual dtype: the MTP layer's input, as ``Transformer.forward_batch(streams=True)``).
         """
         m, a = self.model, self.model.args
+        T = span or self.span
         tables = {"win": win_table, "c4": c4_table, "c128": c128_table}
         rope = {k: (cos[positions], sin[positions]) for k, (cos, sin) in self.rope.items()}
         emb = m.embed_tokens(tokens) if m.embed_tp is not None else F.embedding(tokens, m.embed.weight)
         X = m.residual_streams(emb)
         c = self.cache
+        block = self.block if pos is None else self.layer_step     # the eager step is never the compiled one
         for i, layer in enumerate(m.layers):
             key = id(m._rope(layer.attn.ratio))
             own = LayerInputs(c.win[i], c.cmp_kv.get(i), c.comp.get(i), c.idx_kv.get(i), c.idx_comp.get(i),
                               self.rope[key])
-            X = self.block(layer, X, tokens, positions, slots, tables, *rope[key], own)
+            X = block(layer, X, tokens, positions, slots, tables, *rope[key], own, pos, T)
         h = m.ops.hc_head(X, m.hc_head_fn, m.hc_head_scale, m.hc_head_base, a.rms_norm_eps, a.hc_eps)
         h = m.norm(h).to(m.dtype)
         return (h, X) if self.span > 1 else h
 
-    def layer_step(self, layer: Block, X, tokens, positions, slots, tables, cos, sin, own: LayerInputs):
+    def mtp(self, X_in: torch.Tensor, tokens_next: torch.Tensor, rows: list[tuple[int, int, list[int]]],
+            layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``layer`` (§3.8) over short spans of rows, eager and exact (``Transformer.
+        forward_mtp``'s values): ``rows`` (first position, rows 1 .. ``span``, ring blocks) per
+        sequence; X_in ``[n, hc, H]`` and tokens_next ``[n]`` their rows in order. Returns (output
+        streams ``[n, hc, H]``, hidden ``[n, H]``); the MTP rings advance (the ring holds
+        ``sliding_window + next_n`` rows, so a span's rows write before any reads)."""
+        m, c = self.model, self.cache
+        blk = m.mtp[layer]
+        T, B = max((n for _, n, _ in rows), default=1), len(rows)
+        pick = [b * T + j for b, (_, n, _) in enumerate(rows) for j in range(n)]
+        flat = [(list(range(n)), p0, c.pad_slot, {"win": win}) for p0, n, win in rows]
+        (_, positions, slots, win_t, c4_t, c128_t), pos = self.inputs(flat, B, T, max((p + n for p, n, _ in rows),
+                                                                                      default=1))
+        idx = torch.tensor(pick, dtype=torch.long, device=self.device)
+        tok = torch.zeros(B * T, dtype=torch.long, device=self.device)
+        tok[idx] = tokens_next
+        X = torch.zeros((B * T, *X_in.shape[1:]), dtype=X_in.dtype, device=self.device)
+        X[idx] = X_in
+        X = blk.mtp_input(X, m.embed_tokens(tok))
+        cos, sin = self.rope[id(m.rope_main)]
+        own = LayerInputs(c.mtp_win[layer], None, None, None, None, (cos, sin))
+        tables = {"win": win_t, "c4": c4_t, "c128": c128_t}
+        X = self.layer_step(blk, X, tok, positions, slots, tables, cos[positions], sin[positions], own, pos, T)
+        return X[idx], blk.mtp_output(X)[idx]
+
+    def layer_step(self, layer: Block, X, tokens, positions, slots, tables, cos, sin, own: LayerInputs,
+                   pos: list[int] | None = None, span: int = 1):
         """``Block.forward`` (§3.2) with the static attention and MoE: one layer of the step
-        (``cos`` / ``sin``: its rope at the rows' positions; ``own``: its pools and rope tables).
+        (``cos`` / ``sin``: its rope at the rows' positions; ``own``: its pools and rope tables;
+        ``pos`` / ``span``: ``__call__``'s).
 
         Nothing here names the layer's index or the identity of a model object, so the layers of
         one kind (compress ratio, indexer, routing), of any engine, trace to the same graph: a
@@ -219,24 +261,24 @@ class StaticDecoder:
         """
         y, post, comb = layer._hc_pre(X, "attn")
         o = self._attention(layer.attn, layer.attn_norm(y).to(layer.dtype), positions, slots, tables, cos, sin,
-                            own)
+                            own, pos, span)
         X = layer.ops.hc_post(o, X, post, comb)
         y, post, comb = layer._hc_pre(X, "ffn")
-        f = self._moe(layer.ffn, layer.ffn_norm(y).to(layer.dtype), tokens)
+        f = self._moe(layer.ffn, layer.ffn_norm(y).to(layer.dtype), tokens, pos is not None)
         return layer.ops.hc_post(f, X, post, comb)
 
-    def _attention(self, att: Attention, x, positions, slots, tables, cos, sin, own: LayerInputs):
+    def _attention(self, att: Attention, x, positions, slots, tables, cos, sin, own: LayerInputs, pos, span):
         """``Attention.forward`` (§3.3) for one token per row, over the layer's paged pools."""
-        B, ops, c = x.shape[0], att.ops, self.cache
+        B, ops, c, bs = x.shape[0], att.ops, self.cache, self.bs
         win, cmp_kv, comp, idx_kv, idx_comp, rope = own
         pool = "c4" if att.ratio == CSA_RATIO else "c128"
         with self._side(), self._cores(CORES_COMPRESSOR):
             if att.compressor is not None:      # entries written before attention reads them
-                self._compress_span(att.compressor, x, positions, slots, cmp_kv, comp, tables[pool],
-                                    c.trash_row[pool], x.dtype, rope)
+                compress_span(att.compressor, x, positions, slots, cmp_kv, comp, tables[pool], c.trash_row[pool],
+                              x.dtype, rope, bs, span)
             if att.indexer is not None:
-                self._compress_span(att.indexer.compressor, x, positions, slots, idx_kv, idx_comp,
-                                    tables["c4"], c.trash_row["c4"], c.idx_codec.dtype, rope)
+                compress_span(att.indexer.compressor, x, positions, slots, idx_kv, idx_comp, tables["c4"],
+                              c.trash_row["c4"], c.idx_codec.dtype, rope, bs, span)
         with self._cores(CORES_MAIN):
             c_q = att.q_norm(att.wq_a(x))
             q = att.wq_b(c_q).view(B, att.n_heads, att.head_dim)
@@ -246,91 +288,34 @@ class StaticDecoder:
                 iq, iw = att.indexer.project(x, c_q, cos, sin)
         self._join()
         # window ring: write this token; the seam's decode ops then read positions p-W+1 .. p and
-        # the entries, without host positions: masked over the context bucket the tables span
-        W, R, bs = att.window, self.widths["win"] * self.bs, self.bs
+        # the entries: by the host positions (eager), or masked over the context the tables span
+        W, R = att.window, self.widths["win"] * bs
         ops.cache_write(win, slot_mapping(tables["win"], bs, (positions % R)[:, None])[:, 0], kv)
         table = tables[pool] if att.compressor is not None else None
-        bound = tables["c4"].shape[1] * bs * CSA_RATIO          # >= the context bucket: position + 1 <= it
+        bound = None if pos is not None else tables["c4"].shape[1] * bs * CSA_RATIO   # >= position + 1
         topk = None
         if att.indexer is not None:
-            topk = ops.decode_indexer_topk(iq, iw, idx_kv, tables["c4"], bs, positions, None, CSA_RATIO,
+            topk = ops.decode_indexer_topk(iq, iw, idx_kv, tables["c4"], bs, positions, pos, CSA_RATIO,
                                            att.indexer.topk, att.indexer.head_dim ** -0.5, max_seqlen=bound)
-        o = ops.decode_sparse_attn(q, positions, None, win, tables["win"], R, W,
+        o = ops.decode_sparse_attn(q, positions, pos, win, tables["win"], R, W,
                                    cmp_kv if table is not None else None, table, att.ratio, topk,
                                    att.attn_sink, att.head_dim ** -0.5, bs, max_seqlen=bound)
         return att.out_proj(ops.rope(o, cos, -sin))              # o_proj TP inside under several ranks
 
-    def _compress_span(self, comp: Compressor, x, positions, slots, pool, state, table, trash: int, out_dtype,
-                       rope):
-        """``reference.compressor`` (§3.4) for the step's rows: the projections of all rows at
-        once (the weights read once), then ``_compress`` for token j = 0 .. T-1 of every sequence
-        in order, its T rows sharing one state slot (module docstring)."""
-        xf = comp.wkv.quant_input(x).float()
-        r = positions % comp.ape.shape[0]
-        kv = comp.ops.linear(xf, comp.wkv.dense_weight(torch.float32))
-        score = comp.ops.linear(xf, comp.wgate.dense_weight(torch.float32)) + comp.ape.float()[r]
-        T = self.span
-        if T == 1:
-            return self._compress(comp, kv, score, positions, slots, pool, state, table, trash, out_dtype, rope)
-        for j in range(T):
-            self._compress(comp, kv[j::T], score[j::T], positions[j::T], slots[j::T], pool, state, table[j::T],
-                           trash, out_dtype, rope)
+    def _moe(self, moe: MoE, x, tokens, eager: bool):
+        """``MoE.forward`` (§3.7): as it is (eager), or with the fixed-shape routed experts of a
+        captured step (``_experts``; over several ranks ``ParallelMoE.routed_fixed``)."""
+        if eager:
+            return moe(x, tokens)
+        return moe(x, tokens, routed=lambda xa, ids, w: self._experts(moe, xa, ids, w))
 
-    def _compress(self, comp: Compressor, kv, score, positions, slots, pool, state, table, trash: int, out_dtype,
-                  rope):
-        """One token per row (its projections ``kv`` / ``score`` ``[B, width]`` fp32, score with
-        ape): update the fp32 remainder in the state slot, pool the window, and write the entry
-        (or, when the window stays open, trash)."""
-        m, width = comp.ape.shape
-        overlap = m == CSA_RATIO
-        d = width // 2 if overlap else width
-        skv, ssc = state
-        r = positions % m
-        skv[slots, r] = kv
-        ssc[slots, r] = score
-        cur_kv, cur_sc = skv[slots, :m], ssc[slots, :m]                         # [B, m, width]
-        closing = (r == m - 1)[:, None, None]
-        if overlap:
-            prev_kv, prev_sc = skv[slots, m:2 * m, :d], ssc[slots, m:2 * m, :d]
-            ckv = torch.cat([prev_kv, cur_kv[..., d:]], dim=1)                  # [B, 2m, d]
-            csc = torch.cat([prev_sc, cur_sc[..., d:]], dim=1)
-            skv[slots, m:2 * m, :d] = torch.where(closing, cur_kv[..., :d], prev_kv)
-            ssc[slots, m:2 * m, :d] = torch.where(closing, cur_sc[..., :d], prev_sc)
-        else:
-            ckv, csc = cur_kv, cur_sc
-        pooled = (ckv * csc.softmax(dim=1)).sum(dim=1)                           # [B, d]
-        first = positions - r                                                     # entry position m * i
-        cos, sin = rope                     # the layer's rope, which its compressors share
-        entry = comp.ops.rope(comp.norm(pooled), cos[first], sin[first]).to(out_dtype)
-        # an open window's entry index may lie past the table (the last window of max_model_len):
-        # look up entry 0 instead, then send the write to the trash row
-        shut = closing[:, 0, 0]
-        rows = slot_mapping(table, self.bs, torch.where(shut, positions // m, 0)[:, None])[:, 0]
-        comp.ops.cache_write(pool, torch.where(shut, rows, torch.full_like(rows, trash)), entry)
-
-    def _moe(self, moe: MoE, x, tokens):
-        """``MoE.forward`` (§3.7); the shared expert on the side stream when multi-streams are on.
-        Over several ranks (``engine.parallel.moe.ParallelMoE``) the routed experts take its
-        fixed-shape path, with this step's expert function on the rank's shard."""
-        weights, ids = moe.gate(x, tokens)
-        with self._side():
-            shared = moe.shared_experts(x) if moe.shared_experts is not None else None
-        routed_fixed = getattr(moe, "routed_fixed", None)
-        if routed_fixed is not None:
-            y = routed_fixed(x, ids, weights, lambda xa, i, w: self._experts(moe, xa, i, w, torch.float32))
-            y = y.to(x.dtype)
-        else:
-            y = self._experts(moe, x, ids, weights, x.dtype)
-        self._join(*(() if shared is None else (shared,)))
-        return y if shared is None else y + shared
-
-    def _experts(self, moe: MoE, x, ids, weights, out_dtype: torch.dtype) -> torch.Tensor:
-        """Routed experts of ``moe.experts`` (ids local to them) -> ``[B, H]`` ``out_dtype``."""
+    def _experts(self, moe: MoE, x, ids, weights) -> torch.Tensor:
+        """Routed experts of ``moe.experts`` (ids local to them) -> ``[B, H]`` fp32."""
         e = moe.experts
         if self.moe_why is not None and self.moe_why(x, ids, *e.stored(), e.act) is None:
             # the platform kernel (grouped matmul with a device-side group list; W8A8 as stored)
-            return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit, e.act).to(out_dtype)
-        return moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act, out_dtype)
+            return moe.ops.moe_experts(x, ids, weights, *e.stored(), moe.limit, e.act).float()
+        return moe_experts_gathered(x, ids, weights, *e.stored(), moe.limit, e.act, torch.float32)
 
 
 def layer_kinds(model: Transformer) -> set[tuple]:

@@ -35,8 +35,6 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int, state: CompressorState, out_dtype: torch.dtype) -> torch.Tensor:
         """x ``[T, H]`` -> new entries ``[n_new, dim]`` (RMSNormed, roped at ``ratio * i``)."""
-        if state.journal is not None:
-            state.journal.append((self, x, start_pos, out_dtype))
         n_new = num_new_entries(start_pos, x.shape[0], self.ratio)
         first = start_pos // self.ratio
         cos, sin = self.rope.cos_sin(torch.arange(first, first + n_new, device=x.device) * self.ratio)
@@ -94,19 +92,14 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, rope, dtype, ops) if ratio == CSA_RATIO else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, spans: list[tuple[int, int, int]],
-                states: list[LayerState], cos: torch.Tensor, sin: torch.Tensor, dec=None) -> torch.Tensor:
+                states: list[LayerState], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Packed tokens of several sequences -> attention output ``[T, H]``.
 
         x ``[T, H]`` (normed); positions ``[T]``; spans: per sequence ``(offset, length, start_pos)``
         into the packed rows; states: that sequence's state for this layer (updated in place);
         cos/sin ``[T, r/2]`` of this layer's rope. Projections run over all rows at once; the window,
-        compressors, indexer and sparse attention run per sequence, except for the single-token
-        rows in ``dec``, which run together (same values). ``dec``: a per-step decode context (the
-        states' ``decode_context``, e.g. ``engine.core.batched_decode.DecodeRows``): ``dec.seq``
-        the indices of the sequences it runs, ``dec.rows`` ``[B]`` long their packed rows, and
-        ``dec.attend(attention, layer_states, x, q, kv, iq, iw)`` -> ``[B, h, d]`` in q.dtype (x
-        ``[B, H]``, q ``[B, h, d]``, kv ``[B, d]`` roped; iq / iw the indexer's projections or None),
-        which updates those states as the per-sequence body would.
+        compressors, indexer and sparse attention run per sequence (the decode rows of many
+        requests run together in the serving engine's decode step, ``engine.core.static_decode``).
         """
         T = x.shape[0]
         ops = self.ops
@@ -117,10 +110,7 @@ class Attention(nn.Module):
         if self.indexer is not None:
             iq, iw = self.indexer.project(x, c_q, cos, sin)
         o = torch.empty_like(q)
-        together = set(dec.seq) if dec is not None else ()
-        for j, ((off, n, start_pos), state) in enumerate(zip(spans, states)):
-            if j in together:
-                continue
+        for (off, n, start_pos), state in zip(spans, states):
             sl = slice(off, off + n)
             win_kv, win_pos0 = state.window_keys(kv[sl], start_pos)
             state.write_window(kv[sl], start_pos)
@@ -132,10 +122,6 @@ class Attention(nn.Module):
                     topk = self.indexer.select(x[sl], iq[sl], iw[sl], positions[sl], start_pos, state)
             o[sl] = ops.sparse_attn(q[sl], positions[sl], win_kv, win_pos0, self.window, cmp_kv, self.ratio, topk,
                                     self.attn_sink, self.head_dim ** -0.5)
-        if dec is not None:
-            r = dec.rows
-            o[r] = dec.attend(self, [states[j] for j in dec.seq], x[r], q[r], kv[r],
-                              iq[r] if self.indexer is not None else None, iw[r] if self.indexer is not None else None)
         o = ops.rope(o, cos, -sin)                                                # undo rope on V
         return self.out_proj(o)
 

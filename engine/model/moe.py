@@ -106,12 +106,14 @@ class MoE(nn.Module):
     platform = None
     side = None
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, routed=None) -> torch.Tensor:
         """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]``.
 
         The routed experts run on chunks of at most ``chunk`` tokens (bounds the dispatch buffers
         of a long prefill; a row's result does not depend on its chunk). With a side stream the
-        shared expert runs on it beside the routed experts (reference §8.2).
+        shared expert runs on it beside the routed experts (reference §8.2). ``routed``: the
+        routed experts as ``(x [T, H], ids [T, k], weights [T, k]) -> [T, H]`` fp32 instead (a
+        captured decode step's fixed-shape form: no host sync, no chunks).
         """
         weights, ids = self.gate(x, tokens)
         e = self.experts
@@ -121,7 +123,9 @@ class MoE(nn.Module):
             with p.side_stream(side):
                 shared = self.shared_experts(x)
         T, c = x.shape[0], self.chunk or x.shape[0]
-        if T <= c:
+        if routed is not None:
+            y = routed(x, ids, weights).to(x.dtype)
+        elif T <= c:
             y = self.ops.moe_experts(x, ids, weights, *e.stored(), self.limit, e.act)
         else:
             w = e.stored()

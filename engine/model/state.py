@@ -79,9 +79,6 @@ class CompressorState:
     score: torch.Tensor
     prev_kv: torch.Tensor | None = None
     prev_score: torch.Tensor | None = None
-    # speculative verify (engine.core.spec_decode): the compressor's inputs of this step, so a
-    # rejected draft's effect on the remainder can be undone by replaying the accepted rows
-    journal: list | None = None
 
     @classmethod
     def new(cls, ratio: int, dim: int, overlap: bool, device) -> "CompressorState":

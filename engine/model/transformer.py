@@ -5,7 +5,6 @@ name lookup. Letters: T tokens, n mHC streams, H hidden, V vocab.
 """
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -45,26 +44,18 @@ class Block(nn.Module):
 
     def forward(self, X: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 spans: list[tuple[int, int, int]], states: list[LayerState], cos: torch.Tensor,
-                sin: torch.Tensor, dec=None) -> torch.Tensor:
+                sin: torch.Tensor) -> torch.Tensor:
         """X ``[T, n, H]`` residual streams -> ``[T, n, H]`` in X's dtype (fp32, or bf16 where the
         platform's mHC kernels take it: ``engine.ops.residual_dtype_for``); blocks compute in ``self.dtype``.
 
-        Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states / dec).
+        Rows are packed tokens of several sequences (see ``Attention.forward`` for spans / states).
         """
         y, post, comb = self._hc_pre(X, "attn")
-        a = self.attn(self.attn_norm(y).to(self.dtype), positions, spans, states, cos, sin, dec)
+        a = self.attn(self.attn_norm(y).to(self.dtype), positions, spans, states, cos, sin)
         X = self.ops.hc_post(a, X, post, comb)
         y, post, comb = self._hc_pre(X, "ffn")
         m = self.ffn(self.ffn_norm(y).to(self.dtype), tokens)
         return self.ops.hc_post(m, X, post, comb)
-
-
-def decode_context(states: list, spans: list[tuple[int, int, int]], window: int):
-    """The per-step context in which the short spans of paged states (decode rows, MTP verify
-    spans) attend together: the first state's own ``decode_context``, None for states without one
-    (contiguous ones) or when no span has a token."""
-    ctx = next((st for st, (_, n, _) in zip(states, spans) if n >= 1 and hasattr(st, "decode_context")), None)
-    return ctx.decode_context(states, spans, window) if ctx is not None else None
 
 
 def _add_hc_head(module: nn.Module, args: ModelArgs) -> None:
@@ -111,15 +102,23 @@ class MTPBlock(Block):
             (``[T, n, H]`` output streams in ``streams``' dtype, ``[T, H]`` compute-dtype hidden for
             the shared head).
         """
-        a = self.args
+        X = self.forward(self.mtp_input(streams, emb_next), tokens_next, positions, spans, states, cos, sin)
+        return X, self.mtp_output(X)
+
+    def mtp_input(self, streams: torch.Tensor, emb_next: torch.Tensor) -> torch.Tensor:
+        """The block's input streams ``[T, n, H]`` (``streams``' dtype): ``e_proj(enorm(emb_next))``
+        broadcast over the streams plus ``h_proj(hnorm(streams))`` per stream."""
         T, n, H = streams.shape
         e = self.e_proj(self.enorm(emb_next))                                           # [T, H]
         h = self.h_proj(self.hnorm(streams.reshape(T * n, H)).to(self.dtype)).view(T, n, H)
-        X = (e.unsqueeze(1) + h).to(streams.dtype)                  # the trunk's residual dtype
-        dec = decode_context(states, spans, a.sliding_window)          # as the trunk's short spans
-        X = self.forward(X, tokens_next, positions, spans, states, cos, sin, dec)
+        return (e.unsqueeze(1) + h).to(streams.dtype)                  # the trunk's residual dtype
+
+    def mtp_output(self, X: torch.Tensor) -> torch.Tensor:
+        """The block's output streams ``[T, n, H]`` -> hidden ``[T, H]`` (compute dtype) for the
+        shared head: its own hc_head and ``norm``."""
+        a = self.args
         hid = self.ops.hc_head(X, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, a.rms_norm_eps, a.hc_eps)
-        return X, self.norm(hid).to(self.dtype)
+        return self.norm(hid).to(self.dtype)
 
 
 class Transformer(nn.Module):
@@ -148,10 +147,6 @@ class Transformer(nn.Module):
         self.head = Linear(args.hidden_size, args.vocab_size, torch.float32, ops)
         _add_hc_head(self, args)
         self.mtp = nn.ModuleList(MTPBlock(args, self.rope_main, dtype, ops) for _ in range(args.num_mtp_layers))
-        # decode rows of paged requests attend together (a state's decode_context) through the seam's
-        # decode_* ops; their compressor rows are the reference compressor's math, so only where that
-        # op is the reference (no platform maps it: engine.ops.npu.NOT_MAPPED)
-        self._batch_decode = inspect.unwrap(ops.compressor) is REFERENCE.compressor
         self.residual_dtype = torch.float32          # configure() sets the platform's
 
     def residual_streams(self, emb: torch.Tensor) -> torch.Tensor:
@@ -233,10 +228,9 @@ class Transformer(nn.Module):
         positions = torch.cat(pos) if pos else tokens.new_zeros(0)         # no sequences: an idle DP rank
         main, compress = self.rope_main.cos_sin(positions), self.rope_compress.cos_sin(positions)
         X = self.residual_streams(self.embed_tokens(tokens))
-        dec = decode_context(states, spans, a.sliding_window) if self._batch_decode else None
         for i, layer in enumerate(self.layers):
             X = layer(X, tokens, positions, spans, [st.layers[i] for st in states],
-                      *(compress if layer.attn.ratio else main), dec)
+                      *(compress if layer.attn.ratio else main))
             if layer_hook is not None:
                 layer_hook(i)
         for st, n in zip(states, lengths):

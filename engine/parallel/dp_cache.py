@@ -1,35 +1,40 @@
-"""The leader's block manager over its attention-DP ranks (serving attention DP, decode).
+"""The leader's block accounting over its attention-DP ranks (serving attention DP, decode); no torch.
 
 Each DP rank holds the state of the requests it owns in its own pools, sized for
 ``batch_size / attn_dp_size`` requests, so state memory splits over the ranks. The leader's engine
-schedules all of them through ``DPCache``: rank 0's real ``PagedCache`` plus, for every other rank,
-a ``BlockManager`` (the same accounting, no tensors). A request gets an
-owner at its first allocation (the rank with the most free request slots that fits it, lowest rank
-on ties) and keeps it until freed. The followers replay only their own ranks' calls
-(``engine.parallel.executor``), so each rank's block tables equal the leader's accounting of it.
+schedules all of them through ``DPCache``: one ``BlockManager`` per rank, whose ``PoolOp`` s carry
+that rank (one list, in order). A request gets an owner at its first allocation (the rank with the
+most free request slots that fits it, lowest rank on ties) and keeps it until freed; the step's
+plan names each row's rank and block tables, so every rank runs its own rows over its own pools
+(``engine.parallel.rank_runner``).
 """
 from __future__ import annotations
 
-from engine.core.block_manager import BlockManager, SeqBlocks
-from engine.core.kv_cache import PagedCache
-from engine.core.paged_state import PagedSequenceState
+from engine.config import ModelArgs
+from engine.core.block_manager import BlockManager, CacheConfig, SeqBlocks
+from engine.core.step import PoolOp
 
 
 class DPCache:
-    """``PagedCache``'s interface (what the scheduler and the engine use) over ``dp`` ranks.
+    """``BlockManager``'s interface (what the scheduler and the engine use) over ``dp`` ranks.
 
     Args:
-        local: rank 0's pools (a real ``PagedCache``). dp: attention-DP ranks (>= 1).
+        args, config: the model and one rank's pool geometry. dp: attention-DP ranks (>= 1).
     """
 
     prefix = None        # no prefix cache: an entry would live on one rank, a hit must be placed there
 
-    def __init__(self, local: PagedCache, dp: int):
-        self.ranks: list[BlockManager] = [local] + [BlockManager(local.args, local.config) for _ in range(dp - 1)]
-        self.args, self.config, self.dtype, self.device = local.args, local.config, local.dtype, local.device
-        self.cache_dtype, self.kv_codec, self.idx_codec = local.cache_dtype, local.kv_codec, local.idx_codec
-        self.geometry = local.geometry
+    def __init__(self, args: ModelArgs, config: CacheConfig, dp: int):
+        self.ops: list[PoolOp] = []
+        self.ranks = [BlockManager(args, config, rank=r, ops=self.ops) for r in range(dp)]
+        self.args, self.config, self.geometry = args, config, self.ranks[0].geometry
         self.owner: dict[object, int] = {}
+        self.placed = [0] * dp           # requests placed on each rank so far (/health)
+
+    def take_ops(self) -> list[PoolOp]:
+        out = self.ops[:]
+        self.ops.clear()
+        return out
 
     def reset_prefix_cache(self) -> int:
         """No entries to evict: 0."""
@@ -51,15 +56,17 @@ class DPCache:
         return self._place(seq_id, num_tokens, reserve) is not None
 
     def allocate(self, seq_id, num_tokens: int, prefix: bytes | None = None) -> SeqBlocks:
-        """As ``PagedCache.allocate`` on the owner (chosen now for a new request; ``prefix``: None,
-        there is no prefix cache under attention DP). Raises CacheFullError (from the owner, or
-        rank 0's when no rank fits) with nothing taken."""
+        """As ``BlockManager.allocate`` on the owner (chosen now for a new request; ``prefix``:
+        None, there is no prefix cache under attention DP). Raises CacheFullError (from the
+        owner, or rank 0's when no rank fits) with nothing taken."""
         r = self.owner.get(seq_id)
-        if r is None:
+        new = r is None
+        if new:
             r = self._place(seq_id, num_tokens)
             r = 0 if r is None else r
         held = self.ranks[r].allocate(seq_id, num_tokens)
         self.owner[seq_id] = r
+        self.placed[r] += new
         return held
 
     def free(self, seq_id) -> None:
@@ -70,11 +77,6 @@ class DPCache:
     def rank_of(self, seq_id) -> int:
         """The DP rank that holds ``seq_id``'s state. Raises KeyError."""
         return self.owner[seq_id]
-
-    def sequence_state(self, seq_id, num_tokens: int) -> PagedSequenceState:
-        """The owner's holdings over rank 0's pools: for another rank's request only the block
-        tables and ``num_tokens`` mean anything (its rows live on that rank). Raises KeyError."""
-        return PagedSequenceState(self.ranks[0], self.ranks[self.owner[seq_id]].seqs[seq_id], num_tokens)
 
     def num_free(self) -> dict[str, int]:
         """Free blocks per pool, summed over the ranks."""

@@ -1,77 +1,43 @@
-"""A follower rank's loop: replay the leader's step messages (``engine.parallel.executor``)."""
+"""A follower rank's loop: run the leader's steps on this rank (``engine.parallel.leader``)."""
 from __future__ import annotations
 
 import logging
 import os
 
-from engine.core.spec_decode import DraftRow
-from engine.parallel.executor import RankExecutor
+from engine.core.block_manager import SeqBlocks
+from engine.core.step import DraftPlan, StepPlan, wire_ops
 from engine.parallel.link import FollowerLink, decode
+from engine.parallel.rank_runner import RankRunner
 
 log = logging.getLogger(__name__)
 
 
-def follow(executor: RankExecutor, link: FollowerLink, rank: int = 0, runner=None) -> None:
-    """A follower's loop: replay the leader's step messages through this rank's ``executor``
-    (graph decode steps through ``runner``, its engine's ``DecodeRunner``) until ``stop``.
+def follow(runner: RankRunner, link: FollowerLink) -> None:
+    """A follower's loop until ``stop``: each message is one call of this rank's ``runner``:
+    "step" ``execute(plan)``, "draft" ``draft(plan)``, "ops" ``apply_ops``, "load" ``load_state``.
 
     A ValueError from the model is the leader's too (same inputs, raised before any collective):
     logged and skipped. Any other failure leaves this rank out of step: the process exits (1),
     which takes the instance out of routing (the leader sees the connection close).
     """
-    ex, cache = executor, executor.cache
     while True:
         head, frames = link.recv()
         try:
-            k = 0
-            for op in head.get("cache", ()):
-                if op[-1] not in (None, rank):       # another DP rank's request
-                    continue
-                if op[0] == "alloc":
-                    ex.allocate(op[1], op[2], op[3])
-                elif op[0] == "cache_prefix":
-                    ex.cache_prefix(op[1], op[2], op[3], tuple(op[4]))
-                elif op[0] == "reset_prefix":
-                    ex.reset_prefix_cache()
-                elif op[0] == "settle":
-                    ex.settle(op[1], op[2])
-                elif op[0] == "free":
-                    ex.free(op[1])
-                elif op[0] == "load":
-                    _, rid, n, metas, layers, _ = op
-                    tensors = {}
-                    for name, *meta in metas:
-                        tensors[name] = decode(meta, frames[k])
-                        k += 1
-                    ex.load_state(rid, n, tensors, layers)
             kind = head["op"]
-            if kind == "forward":
-                tokens = decode(head["tokens"], frames[k])
-                states = [cache.sequence_state(s, n) for s, n in zip(head["seqs"], head["nums"])]
-                try:
-                    if "spec" in head:
-                        ex.forward_spec(tokens, states, head["lengths"], head["seqs"], head["spec"])
-                    else:
-                        ex.forward_batch(tokens, states, head["lengths"])
-                except ValueError as e:
-                    log.warning("forward refused on every rank: %s", e)
-            elif kind == "forward_dp":
-                p = head["parts"][rank - 1]
-                states = [cache.sequence_state(s, n) for s, n in zip(p["seqs"], p["nums"])]
-                ex.forward_dp(decode(p["tokens"], frames[k + rank - 1]), states, p["lengths"], p["seqs"], p.get("spec"))
+            if kind == "step":
+                result = runner.execute(StepPlan.from_wire(head["plan"]))
+                if isinstance(result.error, ValueError):
+                    log.warning("step refused on every rank: %s", result.error)
+                elif result.error is not None:
+                    raise result.error
             elif kind == "draft":
-                if ex.rows_mode == "dp":
-                    ex.draft_dp(head["parts"][rank - 1], head["steps"])
-                else:
-                    ex.draft([DraftRow(*r) for r in head["plan"]], head["steps"])
-            elif kind == "decode":
-                i = rank - 1 if ex.rows_mode == "dp" else 0
-                spec = head["spec"][i] if "spec" in head else None
-                ex.decode_graph(runner, head["parts"][i], head["B"], head["C"], spec)
-            elif kind == "logits":
-                ex.logits(decode(head["hidden"], frames[k]))
-            elif kind == "cp":
-                ex.prefill_cp(head["seq"], decode(head["tokens"], frames[k]))
+                runner.draft(DraftPlan.from_wire(head["draft"]))
+            elif kind == "ops":
+                runner.apply_ops(wire_ops(head["ops"]))
+            elif kind == "load":
+                tensors = {name: decode(meta, buf) for (name, *meta), buf in zip(head["metas"], frames)}
+                slot, tables = head["held"]
+                runner.load_state(SeqBlocks(slot, tables), head["n"], tensors, head["layers"], wire_ops(head["ops"]))
             elif kind == "stop":
                 return
         except Exception:                 # noqa: BLE001 - out of step with the leader: leave

@@ -28,14 +28,19 @@ class ParallelMoE(nn.Module):
         self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
         self.parallel, self.expert_lo = ctx, expert_lo
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]`` (this rank's rows in either mode)."""
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, routed=None) -> torch.Tensor:
+        """x ``[T, H]``, tokens ``[T]`` -> ``[T, H]`` (this rank's rows in either mode);
+        ``routed``: the step's routed-expert function over this rank's shard (``MoE.forward``'s),
+        run through ``routed_fixed``."""
         weights, ids = self.gate(x, tokens)
         shared = None
         if self.shared_experts is not None and self.side is not None:
             with self.platform.side_stream(self.side):
                 shared = self.shared_experts(x)
-        y = self._routed(x, ids, weights)
+        if routed is not None:
+            y = self.routed_fixed(x, ids, weights, routed).to(x.dtype)
+        else:
+            y = self._routed(x, ids, weights)
         if self.shared_experts is None:
             return y
         if shared is None:

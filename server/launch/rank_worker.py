@@ -1,9 +1,8 @@
 """Leader and follower sides of a multi-rank worker instance (``server.launch.ranks`` starts them).
 
-Every rank's engine is built with its executor (``engine.parallel.executor``): the leader's
-is a ``LeaderExecutor``, which sends each pool change and model call to the followers first, so
-the leader is the ordinary prefill / decode worker over it; a follower replays them through a
-``RankExecutor``. When a rank is lost (its process exits, its connection closes, or it misses
+Every rank's engine is built with its model runner (``engine.parallel``): the leader's is a
+``LeaderRunner``, which sends each step's plan to the followers first, so the leader is the
+ordinary prefill / decode worker over it; a follower runs the same steps through a ``RankRunner``. When a rank is lost (its process exits, its connection closes, or it misses
 heartbeats for ``--rank-timeout-s``) the leader stops being ready at once and exits with status
 1 after its current step, so the gateway sees a killed worker (samples before token #1 retried
 elsewhere, later ones ended with an error event); a leader stuck in a collective with the dead
@@ -21,9 +20,10 @@ import time
 
 import zmq
 
-from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
-from engine.parallel.executor import LeaderExecutor, RankExecutor, cache_layout
 from engine.parallel.follower import follow
+from engine.parallel.leader import LeaderRunner
+from engine.parallel.link import FollowerLink, LeaderLink, LinkError, watch
+from engine.parallel.rank_runner import RankRunner, cache_layout
 from kvtransfer.secure import secure_client, secure_server, stop_authenticator
 from server.launch.local import stop_processes
 
@@ -37,16 +37,25 @@ def _cp_fn(cfg):
     return cp_prefill
 
 
-def rank_executor(cfg, prefill: bool):
-    """A follower's executor factory (``build_engine``'s ``executor``): its graph decode steps in
-    the leader's row mode (``LeaderRanks.executor``)."""
-    mode = "dp" if not prefill and cfg.parallel_config.attn_dp_size > 1 else "replicated"
-    return lambda model, cache: RankExecutor(model, cache, _cp_fn(cfg), mode)
+def _layout(cfg, prefill: bool, margs) -> dict:
+    """The runner's parallel layout: decode runs attention DP over the ranks (upstream), prefill
+    attention on every rank (+ CP)."""
+    pc = cfg.parallel_config
+    return {"dp": 1 if prefill else pc.attn_dp_size, "cp_prefill": _cp_fn(cfg) if prefill else None,
+            "cp_min_tokens": 2 * pc.cp_size * margs.sliding_window}
+
+
+def rank_runner(cfg, prefill: bool, rank: int):
+    """A follower's runner factory (``build_engine``'s ``runner``): the leader's layout."""
+    def make(model, pools, limits, platform, graph):
+        kw = _layout(cfg, prefill, model.args)
+        return RankRunner(model, pools, limits.max_model_len, limits.batch_size, platform, graph, rank, **kw)
+    return make
 
 
 class LeaderRanks:
     """Rank 0's view of its followers: the link (listening from construction), the leader's
-    executor (``executor``: the factory to build the engine with) and the watch on every rank."""
+    runner (``runner``: the factory to build the engine with) and the watch on every rank."""
 
     def __init__(self, renv, args, cfg, prefill: bool):
         self.renv, self.timeout_s, self.cfg, self.prefill = renv, args.rank_timeout_s, cfg, prefill
@@ -66,16 +75,14 @@ class LeaderRanks:
         self.closing = False
         self.lost: str | None = None
 
-    def executor(self, model, cache) -> LeaderExecutor:
-        """The leader engine's executor (``build_engine``'s ``executor``)."""
+    def runner(self, model, pools, limits, platform, graph) -> LeaderRunner:
+        """The leader engine's runner (``build_engine``'s ``runner``)."""
         pc, prefill = self.cfg.parallel_config, self.prefill
         if pc.cp_size > 1 and not prefill:
             log.info("parallel_config.cp_size %d: context parallelism is for prefill; this decode instance "
                      "runs attention data parallel", pc.cp_size)
-        # decode: attention DP over the ranks (upstream); prefill: attention on every rank (+ CP)
-        self.leader = LeaderExecutor(model, cache, self.link, _cp_fn(self.cfg) if prefill else None,
-                                     cp_min_tokens=2 * pc.cp_size * model.args.sliding_window,
-                                     dp=1 if prefill else pc.attn_dp_size)
+        self.leader = LeaderRunner(model, pools, limits.max_model_len, limits.batch_size, platform, graph,
+                                   self.link, on_failure=self._lost, **_layout(self.cfg, prefill, model.args))
         return self.leader
 
     def wait_followers(self, engine) -> None:
@@ -83,19 +90,17 @@ class LeaderRanks:
         different rank); then the graph warm-up, whose collectives the followers run after their
         hello (``run_follower``)."""
         try:
-            self.link.wait_followers(cache_layout(engine), self.dist_timeout_s)
+            self.link.wait_followers(cache_layout(engine.runner), self.dist_timeout_s)
         except LinkError as e:
             self.close()
             raise SystemExit(f"launch-pd: {e}") from None
-        if engine.runner is not None:
-            engine.runner.warmup()
+        engine.runner.warmup()
 
     def attach(self, worker) -> None:
         """Watch the ranks on behalf of ``worker`` (its ``rank_lost`` is called once)."""
         self.worker = worker
         worker.parallel_info = self.info
         watch(self.link.sock, self.link.ctx, self._lost, "leader", fds=self.link.fds)
-        self.leader.on_failure = self._lost
         self.handler["lost"] = self._lost             # spawned ranks (server.launch.ranks.watch_children)
 
     def info(self) -> dict:
@@ -106,7 +111,7 @@ class LeaderRanks:
         out = {"world_size": self.renv.world_size, "attention": "dp" if m.dp_size > 1 else "replicated",
                "ranks": ranks, "cp_prefills": m.cp_runs}
         if m.dp_size > 1:
-            out["dp_requests_total"] = m.dp_placed
+            out["dp_requests_total"] = list(self.worker.engine.cache.placed)
         return out
 
     def _lost(self, reason: str) -> None:
@@ -131,11 +136,11 @@ class LeaderRanks:
 
 def start_ranks(renv, args, cfg, prefill: bool) -> tuple[LeaderRanks | None, object]:
     """This rank's part: (rank 0's ``LeaderRanks``, listening; None on a follower) and the factory
-    of its engine's executor (``build_engine``'s ``executor``)."""
+    of its engine's model runner (``build_engine``'s ``runner``)."""
     if renv.leader:
         ranks = LeaderRanks(renv, args, cfg, prefill)
-        return ranks, ranks.executor
-    return None, rank_executor(cfg, prefill)
+        return ranks, ranks.runner
+    return None, rank_runner(cfg, prefill, renv.rank)
 
 
 def run_follower(engine, renv, args, cfg) -> int:
@@ -144,7 +149,7 @@ def run_follower(engine, renv, args, cfg) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)         # end now, even inside a collective
     try:
         secret = args.cluster_secret_value
-        link = FollowerLink(renv.master_addr, renv.rank_port, renv.rank, cache_layout(engine), args.rank_timeout_s,
+        link = FollowerLink(renv.master_addr, renv.rank_port, renv.rank, cache_layout(engine.runner), args.rank_timeout_s,
                             startup_s=args.dist_timeout_s,
                             secure=(lambda s: secure_client(s, secret)) if secret else None)
     except LinkError as e:
@@ -155,9 +160,8 @@ def run_follower(engine, renv, args, cfg) -> int:
         log.error("rank %d: leader lost (%s); exiting", renv.rank, reason)
         os._exit(1)
     watch(link.sock, link.ctx, lost, f"rank{renv.rank}")
-    if engine.runner is not None:        # after the hello: the leader checks the layout before any collective
-        engine.runner.warmup()
+    engine.runner.warmup()               # after the hello: the leader checks the layout before any collective
     log.info("rank %d following the leader at %s:%d", renv.rank, renv.master_addr, renv.rank_port)
-    follow(engine.executor, link, rank=renv.rank, runner=engine.runner)
+    follow(engine.runner, link)
     log.info("rank %d: stopped by the leader", renv.rank)
     os._exit(0)                          # do not run torch.distributed's teardown against a gone leader

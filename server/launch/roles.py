@@ -49,16 +49,16 @@ def run_worker(args) -> int:
     if renv is not None and platform.kind != "cpu" and ":" not in spec:
         platform = select_platform(f"{platform.kind}:{renv.local_rank}")     # one device per local rank
     platform.activate()
-    ranks, executor = None, None
+    ranks, runner = None, None
     if renv is not None:
         _meet(args, cfg, renv, platform)
         from server.launch.rank_worker import start_ranks          # rank 0 listens while the ranks load
-        ranks, executor = start_ranks(renv, args, cfg, prefill)
+        ranks, runner = start_ranks(renv, args, cfg, prefill)
     digest = _start_digest(args.model or cfg.model_config.model_path) if renv is None or renv.leader else None
     try:
         # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
-                              rank=renv.rank if renv else 0, executor=executor, warmup=renv is None)
+                              rank=renv.rank if renv else 0, runner=runner, warmup=renv is None)
         if digest is not None:
             opts.weights_digest = digest.result().value
     except (ConfigError, CheckpointError) as e:

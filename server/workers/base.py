@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import uvicorn
 import zmq
@@ -80,7 +80,7 @@ class Worker:
         # what this worker's sender / receiver will state in the handshake; in every pong, so the
         # gateway pairs only instances that would agree (kvtransfer.compat, the same rule)
         self.handshake = handshake_fields(opts.transport, self.fingerprint, self.layout,
-                                          str(engine.model.embed.weight.device))
+                                          engine.describe()["device"])
         self.metrics = WorkerMetrics(opts.model_name, self.role)
         if engine.spec is not None:          # MTP: the spec_decode_* counters, read from the engine's stats
             self.metrics.track_spec(lambda: engine.spec.stats)
@@ -134,6 +134,10 @@ class Worker:
     def num_queued(self) -> int:
         """Samples waiting outside the engine for room (decode: for a reservation)."""
         return 0
+
+    def layer_hook(self):
+        """The engine step's layer hook (``LLMEngine.step``'s ``on_layer_final``; None: none)."""
+        return None
 
     def next_timer(self) -> float | None:
         """Monotonic time (s) of the subclass's next timed event (decode: a lease ends), or None."""
@@ -253,7 +257,7 @@ class Worker:
         used = self._kv_usage(free, total)
         return Pong(role=self.role, instance_id=self.instance_id, ready=self.ready,
                     running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-                    reserved=len(e.reserved), batch_size=e.limits.batch_size, kv_usage=used,
+                    reserved=len(e.pd.reserved), batch_size=e.limits.batch_size, kv_usage=used,
                     free_blocks=free, total_blocks=total, max_model_len=e.limits.max_model_len,
                     prefix_caching=self.prefix_cache is not None,
                     fingerprint=self.fingerprint, handshake=self.handshake, **self.extra_load())
@@ -292,7 +296,7 @@ class Worker:
     def update_gauges(self) -> None:
         e, m = self.engine, self.metrics
         m.running.set(len(e.scheduler.running))
-        m.waiting.set(len(e.scheduler.waiting) + len(e.reserved) + self.num_queued())
+        m.waiting.set(len(e.scheduler.waiting) + len(e.pd.reserved) + self.num_queued())
         m.kv_usage.set(self._kv_usage(e.num_free_blocks(), e.num_total_blocks()))
 
     def _kv_usage(self, free: dict, total: dict) -> float:
@@ -334,7 +338,7 @@ class Worker:
                 if stepped:
                     self.step_pings.begin()
                     try:
-                        outs = self.engine.step()
+                        outs = self.engine.step(self.layer_hook())
                     finally:
                         self.step_pings.end()
                     if self.rank_failure is not None:   # a rank was lost in the step: say nothing more
@@ -364,24 +368,18 @@ class Worker:
     def health_info(self) -> dict:
         """The ``/health`` body: what runs here (device, weights, cache dtype, MTP, prefix cache,
         graph mode, parallel layout). Reads engine state only (the HTTP thread calls it)."""
-        e = self.engine
-        r, q, spec = e.runner, e.model.args.quant, e.spec
-        return {"status": "ok", "role": self.role, "instance_id": self.instance_id,
-                "device": str(e.model.embed.weight.device),
-                "quantization": quantization_label(q),
-                "cache_dtype": e.cache.cache_dtype.describe(),
-                # MTP: the draft depth, and (decode) the drafts verified so far (spec_decode.SpecStats)
-                "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
+        e = self.engine.describe()       # device, cache dtype, MTP (next_n, spec_decode), exe_mode, graph
+        return {"status": "ok", "role": self.role, "instance_id": self.instance_id, "device": e["device"],
+                "quantization": quantization_label(self.engine.args.quant), "cache_dtype": e["cache_dtype"],
+                "next_n": e["next_n"], "spec_decode": e["spec_decode"],
                 "prefix_cache": None if (pc := self.prefix_cache) is None else
                 {"entries": len(pc.entries), "queries": pc.queries, "hits": pc.hits, "evictions": pc.evictions},
-                "exe_mode": r.cfg.exe_mode if r is not None else "eager",
-                "graph": None if r is None else {"backend": r.backend, "buckets": r.buckets,
-                                                 "warmup_s": round(r.warmup_s, 3)},
+                "exe_mode": e["exe_mode"], "graph": e["graph"],
                 "parallel": self.parallel_info() if self.parallel_info else {"world_size": 1}}
 
     def reset_prefix_cache(self) -> int:
         """Evict every prefix-cache entry, on the loop (any thread; waits for it). Returns how many."""
-        return self.calls.call(self.engine.executor.reset_prefix_cache)
+        return self.calls.call(self.engine.reset_prefix_cache)
 
     def render_metrics(self) -> bytes:
         """The Prometheus text, gauges refreshed first (any thread)."""

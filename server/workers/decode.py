@@ -130,7 +130,7 @@ class DecodeWorker(Worker):
                                   time.monotonic())
             if self.queue:                             # FIFO: nobody overtakes the queue
                 raise CacheFullError("queue not empty")
-            self.engine.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
+            self.engine.pd.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
         except (RequestError, SamplingError) as e:
             self.reply(identity, Error(rid=rid, status=400, message=str(e)))
             return
@@ -158,7 +158,7 @@ class DecodeWorker(Worker):
             sample = self.queue[0]
             rid = sample.rid
             try:
-                self.engine.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
+                self.engine.pd.reserve(rid, sample.prompt_ids, sample.params, sample.output_ids)
             except CacheFullError:
                 return
             except RequestError as e:
@@ -188,13 +188,13 @@ class DecodeWorker(Worker):
         if sample is not None:
             self.metrics.success(reason)
         if self.table.retire(rid) is not None:
-            self.engine.unreserve(rid)
+            self.engine.pd.unreserve(rid)
         else:
             self.engine.abort(rid)
 
     def _fail(self, rid: str, cause: str, message: str, peer: str | None = None) -> None:
         self.table.retire(rid)
-        self.engine.unreserve(rid)
+        self.engine.pd.unreserve(rid)
         self.metrics.transfer_failure(cause)
         self.metrics.success("error")
         sample = self.samples.pop(rid, None)
@@ -255,11 +255,11 @@ class DecodeWorker(Worker):
         elif act.kind == "fail":
             self._fail(tid, act.cause, act.message, act.peer)
         elif act.kind == "cancel":
-            self.engine.unreserve(tid)
+            self.engine.pd.unreserve(tid)
             self.samples.pop(tid, None)
         elif act.kind == "load":
             try:
-                self.engine.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
+                self.engine.pd.load_state(tid, act.tensors, None if act.layer is None else [act.layer])
             except RequestError as e:
                 self._fail(tid, "malformed", str(e), act.peer)
                 return
@@ -275,10 +275,10 @@ class DecodeWorker(Worker):
         pending, peer = act.pending, act.peer
         try:
             if act.kind == "commit" and act.tensors:
-                self.engine.load_state(tid, act.tensors)
+                self.engine.pd.load_state(tid, act.tensors)
             if self.engine.spec is not None and not (act.tensors and any(k.startswith("mtp.") for k in act.tensors)):
                 raise RequestError(f"state: no MTP state (mtp.*) for a decode running next_n {self.engine.spec.next_n}")
-            self.engine.commit(tid, act.first_token, act.draft_ids)
+            self.engine.pd.commit(tid, act.first_token, act.draft_ids)
         except RequestError as e:
             self._fail(tid, "malformed", str(e), peer)
             return

@@ -41,7 +41,7 @@ def state_fingerprint(engine: LLMEngine, weights: str | None = None) -> tuple[st
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode()
     layout = {"state_format": 1, "sliding_window": a.sliding_window, "compress_ratios": list(a.compress_ratios),
               "parallel": {"state": "whole"}, "kv_dtype": str(engine.model.dtype).removeprefix("torch."),
-              "cache_dtype": engine.cache.cache_dtype.describe(),
+              "cache_dtype": engine.cache.config.cache_dtype.describe(),
               "config": hashlib.sha256(blob).hexdigest()[:16], "weights": weights}
     if engine.spec is not None:
         layout["next_n"] = engine.spec.next_n

@@ -11,13 +11,12 @@ becomes ``transferred`` (bytes, seconds) to the gateway; a failure becomes ``err
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 
 from engine.core.llm_engine import LLMEngine, RequestError
 from engine.core.sampling_params import SamplingError, SamplingParams
-from engine.core.request import FinishReason, RequestOutput, finish_reason
+from engine.core.request import FinishReason, RequestOutput
 from kvtransfer import make_sender
 from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
@@ -51,7 +50,6 @@ class PrefillWorker(Worker):
         self.pusher = Pusher(lambda: make_sender(opts.transport, self.fingerprint, self.layout,
                                                  f"prefill-{self.instance_id}", secret=opts.cluster_secret, **dist),
                              opts.transfer_timeout_s, notify=self.wake)   # an ack / failure wakes the loop
-        engine.on_layer_final = self._on_layer_final
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg: dict) -> None:
@@ -72,14 +70,13 @@ class PrefillWorker(Worker):
         try:
             req = Prefill.from_map(msg)          # MessageError: answered 400 by ``Worker._handle_frames``
             params, prompt, outs = req.params, req.prompt_ids, req.output_ids   # outs: a migrated stream's
-            one = dataclasses.replace(params, max_new_tokens=len(outs) + 1)    # one token past ``outs``
             if params.seed is None:
                 raise RequestError("params.seed: must be set (decode continues with it)")
             if rid in self.jobs:
                 raise RequestError(f"rid: {rid!r} is in use")
             if len(outs) >= params.max_new_tokens:
                 raise RequestError(f"output_ids: {len(outs)} tokens already reach max_new_tokens")
-            self.engine.add_request(rid, prompt, one, hold_state=True, output_ids=outs)
+            self.engine.add_request(rid, prompt, params, hold_state=True, output_ids=outs)   # one token past outs
         except (RequestError, SamplingError) as e:
             self.reply(identity, Error(rid=rid, status=400, message=str(e)))
             return
@@ -121,12 +118,15 @@ class PrefillWorker(Worker):
             self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, "aborted"))
 
     # ---- state push ------------------------------------------------------------------------
+    def layer_hook(self):
+        return self._on_layer_final
+
     def _on_layer_final(self, layer: int, done: list[tuple[str, int]]) -> None:
         for rid, L in done:
             job = self.jobs.get(rid)
             if job is None:
                 continue
-            tensors = self.engine.layer_state(rid, L, layer)     # copies: safe to send later
+            tensors = self.engine.pd.layer_state(rid, L, layer)     # copies: safe to send later
             self.pusher.put("layer", rid, job.dest,
                             lambda t=tensors, r=rid, n=L, ly=layer: encode_layer(r, self.fingerprint, n, ly, t))
             job.sent_layers = True
@@ -135,7 +135,7 @@ class PrefillWorker(Worker):
         for out in outs:
             job = self.jobs.get(out.request_id)
             if job is None:
-                self.engine.release(out.request_id)
+                self.engine.pd.release(out.request_id)
                 continue
             if not out.new_token_ids:            # failed in the engine (forward / sampling)
                 self._fail(out.request_id, job, 502, "prefill failed in the engine")
@@ -148,21 +148,19 @@ class PrefillWorker(Worker):
         if out.finish_reason is FinishReason.ABORT:      # token #1 broke its grammar (logged by the engine)
             self._fail(rid, job, 502, "prefill failed in the engine")
             return
-        reason = finish_reason(tok, job.num_before + 1, job.num_tokens + 1, p, e.eos_ids, e.limits.max_model_len)
-        if out.finish_reason is FinishReason.STOP:      # token #1 completed its grammar
-            reason = FinishReason.STOP
+        reason = out.finish_reason                       # the engine's one finish rule (None: decode goes on)
         lps = pack_sampled(out.new_logprobs) if p.logprobs is not None else None
         if not self.reply(job.identity, First(rid=rid, id=tok, lps=lps, done=reason is not None,
                                               reason=reason.value if reason else None, queue_s=out.queue_time_s,
                                               cached=out.num_cached_tokens)):
             return                               # its gateway is gone: aborted and freed (``owner_gone``)
         job.first_sent = True
-        seq = e.held.get(rid)
+        seq = e.pd.held.get(rid)
         # MTP: the rows (copies) and drafts must be taken before ``release`` frees the held state
         mtp = drafts = None
         if e.spec is not None and seq is not None:
-            mtp, drafts = e.mtp_state(rid), list(seq.draft_ids)
-        e.release(rid)
+            mtp, drafts = e.pd.mtp_state(rid), list(seq.draft_ids)
+        e.pd.release(rid)
         m = self.metrics
         if seq is not None and seq.scheduled_time is not None and seq.first_token_time is not None:
             m.prefill_time.observe(seq.first_token_time - seq.scheduled_time)
@@ -183,7 +181,7 @@ class PrefillWorker(Worker):
     def _fail(self, rid: str, job: _Job, status: int, message: str) -> None:
         self.jobs.pop(rid, None)
         self.engine.abort(rid)
-        self.engine.release(rid)
+        self.engine.pd.release(rid)
         if job.sent_layers:
             self.pusher.put("cancel", rid, job.dest, encode_cancel(rid, self.fingerprint, message))
         self.metrics.success("error")
@@ -203,7 +201,7 @@ class PrefillWorker(Worker):
                 self.metrics.transfer_failure(r.cause)
                 self.metrics.success("error")
                 self.engine.abort(r.transfer_id)
-                self.engine.release(r.transfer_id)
+                self.engine.pd.release(r.transfer_id)
                 self.reply(job.identity, Error(rid=r.transfer_id, status=502,
                                                message=f"state transfer to decode failed ({r.cause}): {r.message}"))
 

@@ -47,7 +47,7 @@ def test_batch_invariance_greedy_and_seeded(model):
     # (block_size, batch_size, max_prefill_tokens, CSA blocks): pools tight enough that each run
     # queues and preempts (the schedule is deterministic: it depends on lengths, not on time)
     for block, batch_size, max_prefill, c4 in [(4, 16, 1024, 238)]:
-        eng = LLMEngine(model, CacheConfig(block, batch_size, {"c4": c4, "c128": 64}),
+        eng = LLMEngine.of(model, CacheConfig(block, batch_size, {"c4": c4, "c128": 64}),
                         SchedulerLimits(batch_size, max_prefill, 2048, 0), (model.args.eos_token_id,))
         got = eng.generate(prompts, params)
         assert [s.output_ids for s in got] == expect, (block, batch_size, max_prefill)
@@ -67,7 +67,7 @@ def test_preempted_request_recomputes_to_the_same_tokens(model):
     prompts = [p + [7] * (60 - len(p)) for p in prompts]
     params = [SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True),
               SamplingParams(max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True)]
-    eng = LLMEngine(model, CacheConfig(4, 4, {"c4": 8, "c128": 2}), SchedulerLimits(4, 512, 120, 0))
+    eng = LLMEngine.of(model, CacheConfig(4, 4, {"c4": 8, "c128": 2}), SchedulerLimits(4, 512, 120, 0))
     got = eng.generate(prompts, params)
     assert [s.num_preemptions for s in got] == [0, 1]
     assert all(s.finish_reason is FinishReason.LENGTH and len(s.output_ids) == 20 for s in got)

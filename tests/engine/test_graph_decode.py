@@ -16,7 +16,7 @@ from engine.platform import soc_platform
 from engine.core.llm_engine import LLMEngine
 from engine.platform import detect
 from engine.run_config import RunConfig
-from engine.core.model_runner import DecodeRunner, ExecConfig, batch_buckets, buckets, context_buckets
+from engine.core.graph_runner import DecodeRunner, ExecConfig, batch_buckets, buckets, context_buckets
 from engine.core.sampling_params import SamplingParams
 from engine.core.static_decode import StaticDecoder, layer_kinds
 
@@ -34,17 +34,14 @@ def model(tiny_ckpt):
 
 
 def _engine(model, batch_size=4, runner_cfg: ExecConfig | None = None, **kw):
-    eng = LLMEngine.build(model, **{**dict(block_size=16, batch_size=batch_size, max_prefill_tokens=256,
-                                           max_model_len=MAX_LEN, num_kv_blocks=48, num_reserved_decode_tokens=0),
-                                    **kw})
-    if runner_cfg is not None:
-        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch_size, detect("cpu"), runner_cfg)
-    return eng
+    return LLMEngine.build(model, **{**dict(block_size=16, batch_size=batch_size, max_prefill_tokens=256,
+                                            max_model_len=MAX_LEN, num_kv_blocks=48, num_reserved_decode_tokens=0),
+                                     **kw}, graph=runner_cfg)
 
 
 def _uncompiled(eng: LLMEngine) -> LLMEngine:
     """The runner's static step run eagerly (the math of graph mode without the compile time)."""
-    eng.runner.use_eager()
+    eng.runner.graph.use_eager()
     return eng
 
 
@@ -75,7 +72,7 @@ def test_static_step_matches_eager_with_padding(model, eager_out):
     1e-4; every block free afterwards (padding rows touched only scratch state)."""
     prompts, params, ref = eager_out
     eng = _uncompiled(_engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex")))
-    eng.runner.buckets = buckets(4)
+    eng.runner.graph.buckets = buckets(4)
     worst = assert_close_outputs(ref, eng.generate(prompts, params))
     print(f"static vs eager: max |logprob diff| {worst:.2e}")
     assert eng.num_free_blocks() == eng.num_total_blocks()
@@ -85,7 +82,7 @@ def test_static_step_multi_streams_and_limit_core_are_noops_on_cpu(model, eager_
     prompts, params, ref = eager_out
     cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=True, limit_core=True)
     eng = _uncompiled(_engine(model, runner_cfg=cfg))
-    assert eng.runner.static.side is None and not eng.runner.static.limit_core
+    assert eng.runner.graph.static.side is None and not eng.runner.graph.static.limit_core
     assert_close_outputs(ref, eng.generate(prompts, params))
 
 
@@ -106,17 +103,17 @@ def test_torch_compile_on_cpu_matches_eager(tiny_ckpt):
     ref_eng = build_engine(RunConfig.from_dict(graph_run_config("eager")), ckpt, progress=False)
     prompts, params = _workload(ref_eng.model, n=2)
     ref = ref_eng.generate(prompts, params)
-    assert eng.runner.buckets == [2] and eng.runner.warmup_s > 0
+    assert eng.runner.graph.buckets == [2] and eng.runner.graph.warmup_s > 0
     # graph mode's CPU kernels (engine/ops/cpu.py): the head compiled and probed before serving,
     # no e8m0 scale left for inductor to convert by a fallback call
     head = eng.model.head.weight
     assert eng.model.ops.lm_head._ok == {(tuple(head.shape), head.dtype): True}
     assert not any(t.dtype == torch.float8_e8m0fnu for t in eng.model.parameters())
-    assert max(len(p) for p in prompts) + params[0].max_new_tokens <= eng.runner.contexts[0]
+    assert max(len(p) for p in prompts) + params[0].max_new_tokens <= eng.runner.graph.contexts[0]
     with graph_threads():
         worst = assert_close_outputs(ref, eng.generate(prompts, params))
-    assert list(eng.runner._fns) == [(2, eng.runner.contexts[0])]
-    print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.warmup_s:.0f} s")
+    assert list(eng.runner.graph._fns) == [(2, eng.runner.graph.contexts[0])]
+    print(f"torch.compile vs eager: max |logprob diff| {worst:.2e}, compile {eng.runner.graph.warmup_s:.0f} s")
     assert eng.num_free_blocks() == eng.num_total_blocks()
     # the layer graphs name no engine object: another engine runs them as they are
     with graph_threads():
@@ -146,7 +143,7 @@ def test_context_buckets_size_the_entry_tables(model):
     assert context_buckets(1024) == [256, 512, 1024] and context_buckets(300) == [256, 300]
     assert context_buckets(100) == [100]
     eng = _engine(model, runner_cfg=ExecConfig(exe_mode="npugraph_ex"))
-    r = eng.runner
+    r = eng.runner.graph
     assert r.contexts == [256, 512, 1024]
     assert [r.context_bucket(n) for n in (1, 256, 257, 1024)] == [256, 256, 512, 1024]
     with pytest.raises(ValueError, match="exceed max_model_len 1024"):
@@ -160,15 +157,15 @@ def test_context_buckets_size_the_entry_tables(model):
 def test_buckets_and_bucket_choice(model):
     assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(12) == [1, 2, 4, 8, 12]
     eng = _engine(model, batch_size=4, runner_cfg=ExecConfig(exe_mode="ge_graph"))
-    assert eng.runner.buckets == [4]            # CPU: one compile
-    assert eng.runner.bucket(3) == 4
+    assert eng.runner.graph.buckets == [4]            # CPU: one compile
+    assert eng.runner.graph.bucket(3) == 4
     with pytest.raises(ValueError, match="exceed the largest bucket 4"):
-        eng.runner.bucket(5)
+        eng.runner.graph.bucket(5)
     # model_config.graph_batch_sizes: listed sizes below the rank's batch, then the batch
     assert batch_buckets(8, "cpu") == [8] and batch_buckets(8, "cuda") == [1, 2, 4, 8]
     assert batch_buckets(8, "cpu", (1,)) == [1, 8] and batch_buckets(8, "npu", (1, 4, 16)) == [1, 4, 8]
     eng = _engine(model, batch_size=4, runner_cfg=ExecConfig(exe_mode="ge_graph", batch_sizes=(1, 2)))
-    assert eng.runner.buckets == [1, 2, 4] and eng.runner.bucket(1) == 1 and eng.runner.bucket(3) == 4
+    assert eng.runner.graph.buckets == [1, 2, 4] and eng.runner.graph.bucket(1) == 1 and eng.runner.graph.bucket(3) == 4
 
 
 def test_the_fp4_table_is_on_the_device_before_any_trace(model):
@@ -194,10 +191,10 @@ def test_build_engine_wires_the_run_config(tiny_ckpt):
     raw["model_config"]["graph_batch_sizes"] = [1]
     assert exec_config(RunConfig.from_dict(raw)).batch_sizes == (1,)
     eng = build_engine(cfg, progress=False, graph=False)         # a prefill worker: eager, no compile
-    assert eng.runner is None
+    assert eng.runner.graph is None
     assert all(layer.ffn.chunk == 64 and layer.ffn.side is None for layer in eng.model.layers)
     eager = build_engine(_cfg(tiny_ckpt("flash", 1)), progress=False)
-    assert eager.runner is None
+    assert eager.runner.graph is None
 
 
 @pytest.mark.parametrize("length", [3, 4, 127, 128, 515])
@@ -210,8 +207,8 @@ def test_pd_split_with_graph_decode_gives_the_same_tokens(model, length):
     p_eng.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}), hold_state=True)
     while p_eng.has_unfinished():
         p_eng.step()
-    seq, tensors = p_eng.export_state("r")
-    d_eng.add_prefilled("r", prompt, seq.output_ids[0], params, tensors)
+    seq, tensors = p_eng.pd.export_state("r")
+    d_eng.pd.add_prefilled("r", prompt, seq.output_ids[0], params, tensors)
     out = [seq.output_ids[0]]
     while d_eng.has_unfinished():
         out += [t for o in d_eng.step() for t in o.new_token_ids]
@@ -244,8 +241,8 @@ def test_static_step_runs_to_the_end_of_max_model_len(model, block_size, max_mod
                for n in (L - 45, L - 20, L - 9)]
     params = SamplingParams(max_new_tokens=L, temperature=0.7, seed=5, ignore_eos=True)
     ref = eager.generate(prompts, params)
-    graph = LLMEngine.build(model, max_prefill_tokens=64, max_model_len=max_model_len, num_reserved_decode_tokens=0, **kw)
-    graph.runner = DecodeRunner(model, graph.cache, L, 3, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+    graph = LLMEngine.build(model, max_prefill_tokens=64, max_model_len=max_model_len, num_reserved_decode_tokens=0,
+                            graph=ExecConfig(exe_mode="npugraph_ex"), **kw)
     _uncompiled(graph)
     got = graph.generate(prompts, params)
     assert [s.output_ids for s in got] == [s.output_ids for s in ref]
@@ -262,7 +259,7 @@ def test_static_step_traces_in_one_graph_with_the_ascend_op_table(tiny_ckpt):
     m = load_model(tiny_ckpt("flash", 1), ops=REFERENCE.with_overrides(**npu.KERNELS), progress=False, num_layers=4)
     eng = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=512,
                           num_kv_blocks=48, num_reserved_decode_tokens=0)
-    runner = DecodeRunner(m, eng.cache, 512, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+    runner = DecodeRunner(m, eng.runner.pools, 512, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
     torch._dynamo.reset()
     traced = torch.compile(runner.static.__call__, backend="eager", fullgraph=True)
     out = traced(*runner._inputs([], 2, runner.contexts[0]))

@@ -1,5 +1,5 @@
-"""Multi-rank plumbing without collectives: rank settings, the step channel, and the follower's
-replay keeping its state pools equal to the leader's (engine.parallel.executor)."""
+"""Multi-rank plumbing without collectives: rank settings, the step channel, and the follower,
+running the leader's plans, keeping its state pools equal to the leader's (engine.parallel)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from engine.build import build_engine, check_min_ranks
-from engine.core.pd_state import state_tensors
 from engine.config import ConfigError
 from engine.parallel.link import FollowerLink, LeaderLink, LinkError, decode, encode
 from engine.core.pd_state import sequence_state_tensors
@@ -135,10 +134,10 @@ def test_follower_pools_equal_the_leaders_through_prefill_decode_and_frees(pair)
     while leader.has_unfinished():
         leader.step()
         sync(mirror)
-        pools_equal(leader.cache, follower.cache)
-    leader.release("held")
+        pools_equal(leader, follower)
+    leader.pd.release("held")
     sync(mirror)
-    pools_equal(leader.cache, follower.cache)
+    pools_equal(leader, follower)
     assert leader.num_free_blocks() == leader.num_total_blocks()
 
 
@@ -156,19 +155,20 @@ def test_follower_replays_an_imported_state(pair, reference):
     reference.add_request("x", prompt, SamplingParams(max_new_tokens=1, seed=1, ignore_eos=True), hold_state=True)
     while reference.has_unfinished():
         out = reference.step()
-    seq, tensors = reference.export_state("x")
-    reference.release("x")
-    leader.reserve("imp", prompt, params)
-    leader.load_state("imp", tensors)
-    leader.commit("imp", seq.output_ids[0])
+    seq, tensors = reference.pd.export_state("x")
+    reference.pd.release("x")
+    leader.pd.reserve("imp", prompt, params)
+    leader.pd.load_state("imp", tensors)
+    leader.pd.commit("imp", seq.output_ids[0])
     sync(mirror)
-    assert set(state_tensors(follower.cache, "imp", 150)) == set(tensors)
-    for k, v in state_tensors(follower.cache, "imp", 150).items():
+    got = follower.runner.state_tensors(leader.cache.seqs["imp"], 150)    # the follower's pools, the plan's tables
+    assert set(got) == set(tensors)
+    for k, v in got.items():
         assert torch.equal(v, tensors[k]), k
     while leader.has_unfinished():
         leader.step()
     sync(mirror)
-    pools_equal(leader.cache, follower.cache)
+    pools_equal(leader, follower)
     assert out
 
 
@@ -181,8 +181,8 @@ def test_sequence_state_tensors_equal_the_paged_ones(reference):
                           hold_state=True)
     while reference.has_unfinished():
         reference.step()
-    _, paged = reference.export_state("y")
-    reference.release("y")
+    _, paged = reference.pd.export_state("y")
+    reference.pd.release("y")
     mine = sequence_state_tensors(st, 301)
     assert set(mine) == set(paged)
     for k in paged:
@@ -209,13 +209,11 @@ def test_a_multi_rank_config_outside_launch_pd_is_refused_before_loading(ckpt):
 
 
 def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(reference):
-    from engine.core.block_manager import CacheFullError
-    from engine.core.kv_cache import PagedCache
+    from engine.core.block_manager import BlockManager, CacheFullError
     from engine.parallel.dp_cache import DPCache
-    local = PagedCache(reference.cache.args, dataclasses.replace(reference.cache.config, max_seqs=2),
-                       reference.cache.dtype)
-    dp = DPCache(local, 3)
-    total = local.num_total()
+    config = dataclasses.replace(reference.cache.config, max_seqs=2)
+    dp = DPCache(reference.cache.args, config, 3)
+    total = BlockManager(reference.cache.args, config).num_total()
     assert dp.num_total() == {k: 3 * v for k, v in total.items()}
     for i in range(6):                                    # two request slots per rank
         dp.allocate(f"r{i}", 100)
@@ -226,7 +224,8 @@ def test_dp_cache_places_requests_on_the_rank_with_room_and_keeps_them_there(ref
     assert "r6" not in dp.owner
     dp.allocate("r4", 600)                                # grows on its owner
     assert dp.rank_of("r4") == 1 and dp.ranks[1].seqs["r4"] is dp.seqs["r4"]
-    assert dp.sequence_state("r4", 600).held is dp.ranks[1].seqs["r4"]
+    # each new request's slot reset is recorded for its owner rank's pools (the plan's PoolOps)
+    assert [op.rank for op in dp.take_ops() if op.kind == "reset"] == [0, 1, 2, 0, 1, 2]
     dp.free("r1")
     dp.allocate("r7", 10)
     assert dp.rank_of("r7") == 1                          # the freed slot
@@ -290,7 +289,6 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     """Under attention DP only a request on the same rank frees room: the victim is the newest
     request of that rank, the other rank's request keeps running, and the victim is not
     readmitted (on the rank with room) in the step that preempted it."""
-    from engine.core.kv_cache import PagedCache
     from engine.parallel.dp_cache import DPCache
     from engine.core.sampling_params import SamplingParams
     from engine.core.scheduler import Scheduler, SchedulerLimits
@@ -303,21 +301,21 @@ def test_dp_preemption_frees_room_on_the_rank_that_needs_it(reference):
     short = 100
     assert g.blocks_needed("c4", short + 1) == 1
     cfg = dataclasses.replace(c.config, max_seqs=2, num_blocks={"c4": 4, "c128": 64})
-    dp = DPCache(PagedCache(c.args, cfg, c.dtype, "meta"), 2)
+    dp = DPCache(c.args, cfg, 2)
     sched = Scheduler(dp, SchedulerLimits(batch_size=4, max_prefill_tokens=10 * L, max_model_len=10 * L,
                                           num_reserved_decode_tokens=0))
     seqs = [Sequence(f"s{i}", [7] * n, SamplingParams(max_new_tokens=8)) for i, n in enumerate((L, short, L))]
     for s in seqs:
         sched.add(s)
     for _ in range(2):                                    # the prefills, then the first decodes
-        batch = sched.schedule()
+        _, batch = sched.schedule()
         for s, n in zip(batch.seqs, batch.num_tokens):
             s.num_computed += n
             s.output_ids.append(5)
     assert [s.seq_id for s in batch.preempted] == ["s2"]   # s0 (rank 0) needed room: rank 0's newest
     assert [s.seq_id for s in batch.seqs] == ["s0", "s1"]
     assert dp.owner == {"s0": 0, "s1": 1} and seqs[2].status is SeqStatus.WAITING
-    batch = sched.schedule()                              # the next step readmits it, on rank 1
+    _, batch = sched.schedule()                           # the next step readmits it, on rank 1
     assert "s2" in [s.seq_id for s in batch.seqs] and dp.owner["s2"] == 1
 
 

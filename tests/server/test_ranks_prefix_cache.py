@@ -1,7 +1,7 @@
-"""Prefix caching on a multi-rank instance: every rank repeats each entry's snapshot, each hit's
-copies and each eviction (``LeaderExecutor`` sends them with the step, ``follow`` replays them),
-so a follower's pools and entries stay the leader's, MTP rings and carried streams included, and
-the tokens are an uncached single-rank engine's."""
+"""Prefix caching on a multi-rank instance: every rank makes each entry's snapshot, each hit's
+copies and drops each evicted entry's carry (the leader's accounting records them as the plan's
+``PoolOp`` s, every rank's runner applies them), so a follower's pools stay the leader's, MTP
+rings and carried streams included, and the tokens are an uncached single-rank engine's."""
 from __future__ import annotations
 
 import random
@@ -23,15 +23,12 @@ def _config(tmp_path, src: str, slots: int) -> str:
     return str(out)
 
 
-def _entries_equal(a, b) -> None:
-    ea, eb = a.prefix.entries, b.prefix.entries
-    assert list(ea) == list(eb)                           # same keys, same LRU order
-    for k in ea:
-        assert (ea[k].num_tokens, ea[k].blocks.tables, ea[k].blocks.state_slot) == \
-            (eb[k].num_tokens, eb[k].blocks.tables, eb[k].blocks.state_slot)
-        assert (ea[k].carry is None) == (eb[k].carry is None)
-        if ea[k].carry is not None:
-            assert torch.equal(ea[k].carry, eb[k].carry)
+def _entries_equal(leader, follower) -> None:
+    """Every rank holds the carried streams of exactly the leader's entries (MTP), the same bytes."""
+    entries, ca, cb = leader.cache.prefix.entries, leader.runner.carries, follower.runner.carries
+    assert set(ca) == set(cb) == (set(entries) if leader.spec is not None else set())
+    for k in ca:
+        assert torch.equal(ca[k], cb[k])
 
 
 @pytest.mark.parametrize("config, graph", [("configs/tiny-flash.yaml", False), ("configs/tiny-flash-mtp.yaml", False),
@@ -63,16 +60,16 @@ def test_a_follower_replays_snapshots_hits_and_evictions(ckpt, reference, tmp_pa
                     if out.finished:
                         cached.append(out.num_cached_tokens)
                 sync(mirror)
-                pools_equal(leader.cache, follower.cache)
-                _entries_equal(leader.cache, follower.cache)
+                pools_equal(leader, follower)
+                _entries_equal(leader, follower)
             assert [got[f"t{turn}c{i}"] for i in range(2)] == want
             prompts = [p + got[f"t{turn}c{i}"] + [rng.randrange(1000, V) for _ in range(40)]
                        for i, p in enumerate(prompts)]
         assert cached[2:] == [2 * CHUNK] * 4 and leader.cache.prefix.evictions > 0   # one conversation: its own token at 256
-        assert leader.executor.reset_prefix_cache() > 0         # what POST /reset_prefix_cache calls
+        assert leader.reset_prefix_cache() > 0                  # what POST /reset_prefix_cache calls
         sync(mirror)
-        pools_equal(leader.cache, follower.cache)
-        assert not follower.cache.prefix.entries
+        pools_equal(leader, follower)
+        assert not follower.runner.carries and not leader.cache.prefix.entries
         assert follower.num_free_blocks() == follower.num_total_blocks() == leader.num_free_blocks()
     finally:
         next(pair, None)                                        # rank_pair's teardown

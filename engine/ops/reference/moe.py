@@ -142,3 +142,40 @@ def _moe_blocks(x, eid, tok, wt, w1, w3, w2, limit, act, out):
     # index_add_ on CPU adds the slots one after another: each token's results in ascending expert order
     out.index_add_(0, tok, F.embedding(row, y.view(n * R, -1)).float() * wt[:, None].float())
     return out.to(x.dtype)
+
+
+def moe_experts_gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w3, w2, limit: float,
+                         act: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Routed experts without host syncs: each of the k slots gathers its rows' expert weights
+    (what a captured decode step runs where no platform kernel takes the experts).
+
+    Same math as ``moe_experts`` (§3.7); costs ``B * I * H`` gathered weight elements per slot, so
+    it suits decode buckets, not prefill. Accumulates in fp32 in slot order.
+
+    Args:
+        x: ``[B, H]``; ids, weights: ``[B, k]``; w1, w3: ``[E, I, H]``; w2: ``[E, H, I]``, dense or
+            ``Packed`` (the B gathered experts' stored bytes are dequantised, ``B * I * H`` elements).
+        act: activation quantisation (``moe_experts``).
+        out_dtype: the result's dtype (None: x.dtype); fp32 keeps the sum unrounded.
+    Returns:
+        ``[B, H]`` in ``out_dtype``.
+    """
+    if act is not None:
+        x = act_quant(x, act)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xb = x.unsqueeze(-1)                                                        # [B, H, 1]
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        g = torch.bmm(_gathered(w1, e, x.dtype), xb).squeeze(-1)                # [B, I]
+        u = torch.bmm(_gathered(w3, e, x.dtype), xb).squeeze(-1)
+        h = swiglu_clamp(g, u, limit)
+        if act is not None:
+            h = act_quant(h, act)
+        y = torch.bmm(_gathered(w2, e, x.dtype), h.unsqueeze(-1)).squeeze(-1)   # [B, H]
+        out += y.float() * weights[:, j:j + 1].float()
+    return out.to(out_dtype or x.dtype)
+
+
+def _gathered(w, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Experts ``idx`` (``[B]``) of stacked weights, dense ``[B, N, K]`` of ``dtype``."""
+    return dequant(w.take(idx), dtype) if isinstance(w, Packed) else w[idx].to(dtype)
