@@ -23,12 +23,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from engine.core.request import FinishReason, RequestError, Sequence
 
-from engine.core.request import FinishReason, RequestError
-
-if TYPE_CHECKING:
-    from engine.core.request import Sequence
+if TYPE_CHECKING:              # annotations only: the engine imports this module without torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +106,7 @@ class GrammarBackend:
         return m
 
 
-def token_bitmask(seqs: list["Sequence"], num_rows: int, vocab: int, device: torch.device
+def token_bitmask(seqs: list[Sequence], num_rows: int, vocab: int, device: torch.device
                   ) -> tuple[torch.Tensor, list[int]] | None:
     """The allowed tokens of a step's rows: ``seqs`` in row order, each with ``1 + spec_k`` rows.
 
@@ -150,7 +148,7 @@ def apply_token_bitmask(logits: torch.Tensor, mask: tuple[torch.Tensor, list[int
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
-def accept(s: "Sequence", token: int) -> FinishReason | None:
+def accept(s: Sequence, token: int) -> FinishReason | None:
     """Advance ``s``'s matcher by its new token: STOP once the grammar is complete (its stop token
     accepted), ABORT (logged) when the token breaks the grammar (a row sampled without its mask:
     never expected), else None."""

@@ -40,8 +40,8 @@ class LLMEngine:
 
     Args:
         runner: the model runner (``ModelRunner``, or anything with its ``execute`` / ``draft`` /
-            state calls, ``args``, ``cache_config``, ``dp_size`` and ``cp_first_chunk``: a test's
-            fake runner needs no model). ``limits.batch_size`` is per attention-DP rank.
+            state calls and ``describe``, ``args``, ``cache_config``, ``device``, ``dp_size`` and
+            ``cp_first_chunk``: a test's fake runner needs no model, tests/engine/test_scheduler.py). ``limits.batch_size`` is per attention-DP rank.
         limits: scheduler limits. ``max_model_len`` must fit one request in the pools.
         eos_ids: token ids that end a sample unless ``ignore_eos``.
         grammar: compiles constrained decoding's grammars against the tokenizer (None: a request
@@ -120,7 +120,7 @@ class LLMEngine:
         and how decode runs (``ModelRunner.describe``)."""
         from dataclasses import asdict
         spec = self.spec
-        return {"device": str(getattr(self.runner.pools, "device", "cpu")),
+        return {"device": str(self.runner.device),
                 "cache_dtype": self.cache.config.cache_dtype.describe(),
                 "next_n": spec.next_n if spec else 0, "spec_decode": asdict(spec.stats) if spec else None,
                 **self.runner.describe()}
@@ -225,7 +225,7 @@ class LLMEngine:
         masked = True
         try:
             plan.grammar = token_bitmask(sampling, sum(1 + r.num_drafts for r in plan.rows if r.samples),
-                                         self.args.vocab_size, getattr(self.runner.pools, "device", "cpu"))
+                                         self.args.vocab_size, self.runner.device)
         except Exception:                   # noqa: BLE001 - its rows fail, the rest runs
             log.exception("grammar bitmask failed; failing %d requests", len(sampling))
             masked = False

@@ -57,7 +57,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, pools: PagedCache, max_model_len: int, max_batch: int,
                  platform: Platform | None = None, graph: ExecConfig | None = None, rows_mode: str | None = None,
                  samples: bool = True):
-        self.model, self.pools, self.samples = model, pools, samples
+        self.model, self.pools, self.samples, self.device = model, pools, samples, pools.device
         self.platform = platform or detect("cpu")
         self.next_n = pools.config.next_n
         if self.next_n and not len(model.mtp):

@@ -51,6 +51,7 @@ from engine.ops import reference
 from engine.ops.reference.moe import moe_experts_gathered
 from engine.platform import Platform, detect
 
+NO_BLOCK = 1 << 40                    # the eager step's block-table padding: past every pool
 # A3 core budgets per branch (reference §8.3): (AI-cube, AI-vector) cores
 CORES_COMPRESSOR = (16, 32)
 CORES_MAIN = (24 - 8, 2 * (24 - 8))
@@ -129,20 +130,23 @@ class StaticDecoder:
             self.platform.join(self.side, *made_on_side)
 
     # ---- inputs ----------------------------------------------------------------------------
-    def tables(self, block_lists: list[dict[str, list[int]] | None], B: int, context: int | None = None
-               ) -> dict[str, torch.Tensor]:
+    def tables(self, block_lists: list[dict[str, list[int]] | None], B: int, context: int | None = None,
+               pad_block: int = 0) -> dict[str, torch.Tensor]:
         """Block tables ``[B, width]`` int64 per pool from each row's block lists (host side);
         rows that are None or past ``len(block_lists)`` are padding (scratch ring, block 0
         elsewhere, masked). ``context``: the context bucket (every row's position < context; None:
         max_model_len): the entry tables hold the blocks of ``context`` tokens, so the step's
-        attention and indexer cost O(context), not O(max_model_len)."""
+        attention and indexer cost O(context), not O(max_model_len). ``pad_block``: the entry
+        tables' id past a row's own blocks (the eager step's ``NO_BLOCK``: a row reaching past
+        what it holds, a caller's allocation bug, fails instead of writing another's block; a
+        graph's masked reads need an id in range)."""
         g = self.cache.geometry
         widths = self.widths if context is None else {
             "win": self.widths["win"], "c4": g.blocks_needed("c4", context), "c128": g.blocks_needed("c128", context)}
         pad = [i for i in range(B) if i >= len(block_lists) or block_lists[i] is None]
         out = {}
         for pool, w in widths.items():
-            t = torch.zeros(B, max(w, 1), dtype=torch.long)
+            t = torch.full((B, max(w, 1)), 0 if pool == "win" else pad_block, dtype=torch.long)
             for i, tables in enumerate(block_lists):
                 blocks = [] if tables is None else tables.get(pool, [])[:max(w, 1)]
                 t[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -151,7 +155,7 @@ class StaticDecoder:
             out[pool] = t
         return out
 
-    def inputs(self, rows: list[tuple[list[int], int, int, dict]], B: int, T: int, C: int
+    def inputs(self, rows: list[tuple[list[int], int, int, dict]], B: int, T: int, C: int, pad_block: int = 0
                ) -> tuple[list[torch.Tensor], list[int]]:
         """(token ids, first position, state slot, block tables) per row -> the step's ``B * T``
         flat rows (token j of row b at ``b * T + j``, padding past a row's tokens and past its
@@ -167,7 +171,7 @@ class StaticDecoder:
             pos[b * T:b * T + n] = range(p0, p0 + n)
             slots[b * T:b * T + n] = [slot] * n
             blocks[b * T:b * T + n] = [tables] * n
-        t = self.tables(blocks, B * T, C)
+        t = self.tables(blocks, B * T, C, pad_block)
         out = [torch.tensor(toks, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
                torch.tensor(slots, dtype=torch.long), t["win"], t["c4"], t["c128"]]
         return [x.to(self.device, non_blocking=True) for x in out], pos
@@ -179,7 +183,7 @@ class StaticDecoder:
         (module docstring); spans are padded to the longest in ``rows``, not to ``span``. No rows:
         a step of zero rows (an idle attention-DP rank still joins the collectives)."""
         T = max((len(r[0]) for r in rows), default=1)
-        inputs, pos = self.inputs(rows, len(rows), T, max((r[1] + len(r[0]) for r in rows), default=1))
+        inputs, pos = self.inputs(rows, len(rows), T, max((r[1] + len(r[0]) for r in rows), default=1), NO_BLOCK)
         out = self(*inputs, pos=pos, span=T)
         if T == 1:
             return out
