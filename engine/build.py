@@ -9,13 +9,12 @@ import torch
 
 from engine.cache_dtype import CacheDtype
 from engine.config import ConfigError, ModelArgs
-from engine.config_checks import check_min_ranks
 from engine.core.grammar import GrammarBackend
 from engine.core.graph_runner import ExecConfig
 from engine.core.llm_engine import LLMEngine
 from engine.ops import ops_for, residual_dtype_for
 from engine.platform import detect
-from engine.run_config import RunConfig
+from engine.run_config import RunConfig, check_min_ranks
 from engine.checkpoint.loader import load_model
 
 log = logging.getLogger(__name__)

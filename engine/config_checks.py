@@ -1,4 +1,6 @@
-"""Value checks shared by the YAML run config's sections, and DeepSeek-V4's own combination checks.
+"""Value checks shared by the YAML run config's sections, and the published deployment minimums.
+
+DeepSeek-V4's combination checks, which read a whole ``RunConfig``, are in ``engine.run_config``.
 
 Every failure is a ``ConfigError`` whose message starts with the full key path
 (``scheduler_config.block_size: ...``), as ``engine.run_config`` promises.
@@ -11,13 +13,9 @@ import functools
 import math
 import typing
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.config import ConfigError
-
-if TYPE_CHECKING:
-    from engine.config import ModelArgs
-    from engine.run_config import RunConfig
 
 # Published minimum deployment units, in chips, of the full-size models (by hidden_size) per Ascend
 # generation (reference/peers.md, "Minimum deployment units"): 950PR/DT Flash 4, Pro 16; A3 Flash
@@ -130,41 +128,6 @@ def coerce(path: str, value: Any, hint: Any, section: Callable[[type, Any, str],
     return value
 
 
-def check_dsv4_settings(c: RunConfig) -> None:
-    """DSV4 combinations (reference/upstream-baseline.md §5.1). Raises ConfigError naming the key."""
-    # upstream's DSV4 check also refuses exe_mode ge_graph; we run it (torchair GE on Ascend,
-    # the same captured step as npugraph_ex elsewhere), see engine.core.model_runner
-    m, cp = c.model_config, c.model_config.custom_params
-    if c.parallel_config.attn_tp_size != 1:
-        raise ConfigError(f"parallel_config.attn_tp_size: DeepSeek-V4 needs 1 (attention is data-parallel), "
-                          f"got {c.parallel_config.attn_tp_size}")
-    if m.exe_mode == "eager":
-        for path, on in (("model_config.enable_cache_compile", m.enable_cache_compile),
-                         ("model_config.custom_params.enable_superkernel", cp.enable_superkernel)):
-            if on:
-                raise ConfigError(f"{path}: needs a graph exe_mode (npugraph_ex), got exe_mode 'eager'")
-    if not m.with_ckpt and not m.force_eplb:
-        raise ConfigError("model_config.force_eplb: must be true with dummy weights (with_ckpt: false)")
-    if cp.enable_limit_core:
-        if not cp.enable_multi_streams:
-            raise ConfigError("model_config.custom_params.enable_limit_core: needs "
-                              "model_config.custom_params.enable_multi_streams: true")
-        if cp.enable_pypto:
-            raise ConfigError("model_config.custom_params.enable_limit_core: cannot be combined with "
-                              "model_config.custom_params.enable_pypto")
-    for name in ("enable_limit_core", "enable_pypto"):
-        if getattr(cp, name) and m.platform_version not in (None, "A3"):
-            raise ConfigError(f"model_config.custom_params.{name}: A3 only, got platform_version "
-                              f"{m.platform_version!r}")
-    if c.parallel_config.cp_size > 1 and m.next_n:
-        # the MTP catch-up reads the trunk's output streams, which context-parallel prefill keeps sharded
-        raise ConfigError(f"model_config.next_n: MTP needs parallel_config.cp_size 1, got cp_size "
-                          f"{c.parallel_config.cp_size}; set next_n 0 on a context-parallel prefill instance")
-    if c.parallel_config.cp_size > 1 and c.scheduler_config.cp_mini_batch != 1:
-        raise ConfigError(f"scheduler_config.cp_mini_batch: must be 1 with context parallelism "
-                          f"(cp_size {c.parallel_config.cp_size}), got {c.scheduler_config.cp_mini_batch}")
-
-
 def min_ranks(hidden_size: int, version: str | None) -> tuple[int, int] | None:
     """(chips, ranks) of the published minimum for a full-size model (``hidden_size`` 4096: Flash,
     7168: Pro) on Ascend generation ``version`` (None: "A3", the default platform); None when there
@@ -172,38 +135,3 @@ def min_ranks(hidden_size: int, version: str | None) -> tuple[int, int] | None:
     v = version or "A3"
     chips = MIN_CHIPS.get((v, hidden_size))
     return None if chips is None else (chips, chips * RANKS_PER_CHIP[v])
-
-
-def check_min_ranks(cfg: RunConfig, args: ModelArgs, version: str | None) -> None:
-    """A full-size Flash / Pro on an Ascend generation needs at least its published number of
-    chips, counted in ranks (two per A3 chip). Raises ConfigError naming ``parallel_config.world_size``."""
-    need = min_ranks(args.hidden_size, version)
-    got = cfg.parallel_config.world_size
-    if need is not None and got < need[1]:
-        v = version or "A3"
-        per = "two 64 GB dies per A3 chip, one rank each" if RANKS_PER_CHIP[v] == 2 else f"one rank per {v} chip"
-        raise ConfigError(f"parallel_config.world_size: {MODEL_NAMES[args.hidden_size]} on {v} needs at least "
-                          f"{need[0]} chips = {need[1]} ranks (the published deployment minimum; {per}), got {got}")
-
-
-def check_model_args(c: RunConfig, args: ModelArgs) -> None:
-    """The run config against the checkpoint's config.json: TP / EP sizes that divide the model,
-    the layer-count override, MTP present for next_n, and ``model_config.quant_type`` equal to the
-    type config.json says. Raises ConfigError naming the key."""
-    p, cp, m = c.parallel_config, c.model_config.custom_params, c.model_config
-    if args.num_attention_heads % p.attn_tp_size:
-        raise ConfigError(f"parallel_config.attn_tp_size: must divide num_attention_heads "
-                          f"({args.num_attention_heads}), got {p.attn_tp_size}")
-    if args.n_routed_experts % p.moe_ep_size:
-        raise ConfigError(f"parallel_config.moe_tp_size: moe_ep_size = world_size / moe_tp_size = "
-                          f"{p.moe_ep_size} must divide n_routed_experts ({args.n_routed_experts})")
-    if cp.num_hidden_layers is not None and cp.num_hidden_layers > args.num_hidden_layers:
-        raise ConfigError(f"model_config.custom_params.num_hidden_layers: must be <= the checkpoint's "
-                          f"num_hidden_layers ({args.num_hidden_layers}), got {cp.num_hidden_layers}")
-    if m.next_n > 0 and args.num_nextn_predict_layers < 1:
-        raise ConfigError(f"model_config.next_n: needs an MTP layer in the checkpoint "
-                          f"(num_nextn_predict_layers is 0), got {m.next_n}")
-    found = args.quant.quant_type if args.quant is not None else None
-    if m.quant_type is not None and found != m.quant_type:
-        raise ConfigError(f"model_config.quant_type: {m.quant_type!r}, but the checkpoint's config.json says "
-                          f"{found or 'the original (unconverted) weights'!r}")

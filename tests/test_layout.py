@@ -1,7 +1,11 @@
 """The house's shape, checked from the source: import direction, no cycles, small files and functions.
 
 Every ``import`` in engine/, kvtransfer/ and server/ counts, including the ones inside functions
-(a lazy import is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run).
+(a lazy import is still a dependency) and the ones under ``if TYPE_CHECKING:``: those never run, but
+a module that names another's types depends on it as much as one that calls it, so a type-only
+cycle is still two modules that cannot be read, changed or tested one without the other.
+``test_no_import_cycles_at_runtime`` checks the imports that run, on their own, so that a new
+runtime cycle shows by name even while a type-only one is still open.
 The rules are /work/shared/DESIGN.md's "Layout": server -> kvtransfer -> engine, no cycles, the model
 free of serving code; files <= ~400 lines and functions <= 80 lines of code (docstring not counted)
 unless the docstring says why (a line starting ``Length:``).
@@ -36,16 +40,16 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def _import_nodes(tree: ast.AST):
-    """Import / ImportFrom nodes anywhere in the tree, except under ``if TYPE_CHECKING:``."""
-    stack = [tree]
+    """(Import / ImportFrom node, whether it is under ``if TYPE_CHECKING:``) anywhere in the tree."""
+    stack = [(tree, False)]
     while stack:
-        node = stack.pop()
+        node, typing_only = stack.pop()
         if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
+            stack += [(n, True) for n in node.body] + [(n, typing_only) for n in node.orelse]
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        stack.extend(ast.iter_child_nodes(node))
+            yield node, typing_only
+        stack += [(n, typing_only) for n in ast.iter_child_nodes(node)]
 
 
 def _targets(module: str, is_pkg: bool, node, mods: dict[str, Path]) -> list[tuple[str, list[str]]]:
@@ -69,19 +73,23 @@ def _targets(module: str, is_pkg: bool, node, mods: dict[str, Path]) -> list[tup
     return out
 
 
-def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
-    """Module -> imported project modules, and (importer, module, name) for every private name taken."""
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]], list[tuple[str, str, str]]]:
+    """Module -> imported project modules (every import; only the imports that run), and
+    (importer, module, name) for every private name taken."""
     mods = _modules()
     graph: dict[str, set[str]] = {m: set() for m in mods}
+    runtime: dict[str, set[str]] = {m: set() for m in mods}
     private = []
     for m, path in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        for node in _import_nodes(tree):
+        for node, typing_only in _import_nodes(tree):
             for target, names in _targets(m, path.name == "__init__.py", node, mods):
                 if target != m:
                     graph[m].add(target)
+                    if not typing_only:
+                        runtime[m].add(target)
                 private += [(m, target, n) for n in names if n.startswith("_") and target != m]
-    return graph, private
+    return graph, runtime, private
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -124,7 +132,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-GRAPH, PRIVATE = _graph()
+GRAPH, RUNTIME_GRAPH, PRIVATE = _graph()
 
 
 def _edges(src_prefix: str, dst_prefix: str) -> list[str]:
@@ -139,8 +147,31 @@ def test_the_walk_sees_the_packages():
     assert sum(len(v) for v in GRAPH.values()) > 100
 
 
+def _show(cycles: list[list[str]]) -> str:
+    """Each cycle with the imports inside it, a type-only one marked, for the failure message."""
+    out = []
+    for comp in cycles:
+        edges = [f"{m} -> {d}" + ("" if d in RUNTIME_GRAPH[m] else " (TYPE_CHECKING)")
+                 for m in comp for d in sorted(GRAPH[m]) if d in comp]
+        out.append("cycle: " + "; ".join(edges))
+    return "\n".join(out)
+
+
 def test_no_import_cycles():
-    assert _cycles(GRAPH) == []
+    cycles = _cycles(GRAPH)
+    assert cycles == [], _show(cycles)
+
+
+def test_no_import_cycles_at_runtime():
+    cycles = _cycles(RUNTIME_GRAPH)
+    assert cycles == [], _show(cycles)
+
+
+def test_type_checking_imports_are_edges():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
+                     "import c\n")
+    assert sorted((n.names[0].name, t) for n, t in _import_nodes(tree) if n.names[0].name != "TYPE_CHECKING") \
+        == [("a", True), ("b", False), ("c", False)]
 
 
 @pytest.mark.parametrize("src,dst", [("engine", "server"), ("engine", "kvtransfer"), ("kvtransfer", "server")])

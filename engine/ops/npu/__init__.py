@@ -45,7 +45,7 @@ from engine.ops.npu.mhc import hc_post, hc_pre
 from engine.ops.npu.moe import gating_topk, moe_experts, swiglu_clamp
 
 if TYPE_CHECKING:
-    from engine.ops import Ops
+    from engine.ops.table import Ops
 
 log = logging.getLogger("engine.ops.npu")
 
