@@ -1,13 +1,14 @@
 """One request's decode state over the paged pools, as the model reads and writes it.
 
 ``PagedSequenceState`` / ``PagedLayerState`` / ``PagedEntries`` have the interfaces of the
-contiguous ``engine.model.state`` classes (``SequenceState`` / ``LayerState`` / ``GrowBuffer``), their
-rows reached through block tables (``slot_mapping``).
+contiguous ``engine.model.state`` classes (``SequenceState`` / ``LayerState`` / ``GrowBuffer``),
+their rows reached through block tables (``slot_mapping``). Their ``cache`` is the pools they
+view (``engine.core.kv_cache.PagedCache``, which builds them: named here, not imported, so the
+dependency points one way).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +17,6 @@ from engine.core.block_manager import SeqBlocks, slot_mapping
 from engine.model.state import CompressorState
 from engine.ops.cache_codec import CacheRows
 
-if TYPE_CHECKING:
-    from engine.core.kv_cache import PagedCache
 
 
 class PagedEntries:
@@ -61,7 +60,7 @@ class PagedEntries:
 class PagedLayerState:
     """One layer of one request over the pools: the ``engine.model.state.LayerState`` interface."""
 
-    def __init__(self, cache: "PagedCache", layer: int, held: SeqBlocks, tables: dict[str, torch.Tensor],
+    def __init__(self, cache, layer: int, held: SeqBlocks, tables: dict[str, torch.Tensor],
                  num_tokens: int):
         g, bs = cache.geometry, cache.config.block_size
         self.bs, self.ring, self.window = bs, g.ring_len, cache.args.sliding_window
@@ -79,7 +78,7 @@ class PagedLayerState:
             self.idx_comp = _comp_view(cache.idx_comp[layer], held.state_slot, ratio)
 
     @classmethod
-    def window_only(cls, cache: "PagedCache", pool: CacheRows, win_table: torch.Tensor, num_tokens: int
+    def window_only(cls, cache, pool: CacheRows, win_table: torch.Tensor, num_tokens: int
                     ) -> "PagedLayerState":
         """A window-only layer over ``pool`` (an MTP layer's ring), with its ``num_tokens``."""
         st = cls.__new__(cls)
@@ -122,7 +121,7 @@ def _comp_view(tensors: tuple[torch.Tensor, torch.Tensor], slot: int, ratio: int
 class PagedSequenceState:
     """A request's decode state over the pools: the ``engine.model.state.SequenceState`` interface."""
 
-    def __init__(self, cache: "PagedCache", held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None):
+    def __init__(self, cache, held: SeqBlocks, num_tokens: int, layers: Iterable[int] | None = None):
         # block tables as tensors once per step, shared by all layers; ``layers``: build only these
         # (the others are None), e.g. when P/D extracts one finished layer
         tables = {p: torch.tensor(b, dtype=torch.long, device=cache.device) for p, b in held.tables.items()}
