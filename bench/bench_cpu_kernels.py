@@ -90,7 +90,7 @@ def moe_rows(gbs: float, shapes=MOE_SHAPES, k: int = 6) -> list[dict]:
     (``moe_experts_gathered``: each gathered expert dequantised to fp32, then a batched GEMV) and
     the fused kernel (``cpu.moe_experts``), compiled alike; the eager reference op beside them."""
     from engine.checkpoint.fp8_mxfp4 import quant_mxfp4
-    from engine.core.static_decode import moe_experts_gathered
+    from engine.ops.reference.moe import moe_experts_gathered
     from engine.ops import cpu, reference
     from engine.ops.packed import Packed
 

@@ -10,7 +10,9 @@ For each (batch B, context C): B requests on a synthetic paged state (``engine_m
 synthetic_paged``: the pools as after a C-token prefill, random values), then the step that
 decodes one token for each, hidden states plus logits, two ways:
 
-- **eager**: ``Transformer.forward_batch`` with the reference ops (``exe_mode: eager``);
+- **eager**: what an eager engine's decode step runs (``exe_mode: eager``): the model runner's
+  ``decode`` rows through ``StaticDecoder.run`` uncompiled, with host positions (exact per row),
+  on the CPU op table;
 - **captured**: the graph-mode step (``DecodeRunner`` at batch bucket B and the context bucket of
   C + steps + 1 tokens; on CPU inductor's per-layer-kind graphs and the CPU kernels, ``exe_mode:
   npugraph_ex``), compiled before it is timed.
@@ -23,7 +25,7 @@ bit). HF transformers has no paged batched decode: its single-sequence step is `
 column (docs/benchmarks.md).
 
 Contexts default just under 1K / 32K / 128K so that C + steps + 1 tokens stay inside the bucket of
-that size (a step's cost follows its context bucket, ``engine.core.model_runner``; every graph
+that size (a step's cost follows its context bucket, ``engine.core.graph_runner``; every graph
 step of a cell runs at the bucket of its last one).
 """
 from __future__ import annotations
@@ -96,32 +98,34 @@ def measure(eager_model, graph_model, B: int, C: int, steps: int, max_model_len:
     cell runs at the context bucket of its last step's ``C + steps + 1`` tokens, so no compile
     lands in a timed step."""
     from bench import roofline as R
-    from bench.engine_measure import synthetic_paged
-    from engine.core.model_runner import DecodeRunner, ExecConfig
+    from bench.engine_measure import eager_decode, synthetic_paged
+    from engine.core.graph_runner import DecodeRunner, ExecConfig
     from engine.platform import detect
 
     def fresh(model):
-        return synthetic_paged(model, C, torch.Generator().manual_seed(C), headroom=steps + 2, requests=B)
+        """``synthetic_paged``: the accounting, its pools (``.paged``) and each request's holding."""
+        cache = synthetic_paged(model, C, torch.Generator().manual_seed(C), headroom=steps + 2, requests=B)
+        return cache, [cache.seqs[r] for r in range(B)]
 
     # step i feeds toks[i]: [steps + 1, B] token ids, the same both ways
     toks = torch.randint(2, eager_model.args.vocab_size, (steps + 1, B), generator=torch.Generator().manual_seed(B))
 
     def run_eager():
-        cache = fresh(eager_model)
+        """An eager engine's decode step (``ModelRunner.decode`` of B one-token rows)."""
+        decode = eager_decode(eager_model, fresh(eager_model)[0], max_model_len)
 
         def eager(i: int) -> torch.Tensor:
-            states = [cache.sequence_state(r, C + i) for r in range(B)]
-            return eager_model.logits(eager_model.forward_batch(toks[i], states, [1] * B))
+            return eager_model.logits(decode(toks[i].tolist(), C + i))
         return _timed(eager, steps)
 
     def run_graph(timed: bool):
         """The compile of the cell's bucket (seconds), or the timed steps: each on a fresh copy of
         the same random state (the compile's step writes position C)."""
-        cache = fresh(graph_model)
-        runner = DecodeRunner(graph_model, cache, max_model_len, B, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
+        cache, held = fresh(graph_model)
+        runner = DecodeRunner(graph_model, cache.paged, max_model_len, B, detect("cpu"),
+                              ExecConfig(exe_mode="npugraph_ex"))
         if not compiled:
             runner.use_eager()
-        held = [cache.seqs[r] for r in range(B)]
         bucket = runner.context_bucket(C + steps + 1)
 
         def captured(i: int) -> torch.Tensor:

@@ -58,14 +58,14 @@ def _time(fn, steps: int) -> tuple[float, torch.Tensor]:
 def measure(model, contexts: list[int], max_model_len: int, steps: int) -> list[dict]:
     """One row per context: ``bucket`` (tokens), ``bucketed_ms``, ``full_width_ms``, ``max_abs_diff``."""
     from bench.engine_measure import synthetic_paged
-    from engine.core.model_runner import context_buckets
+    from engine.core.graph_runner import context_buckets
     from engine.core.static_decode import StaticDecoder
 
     rows = []
     for ctx in contexts:
         # the step that brings the request to ``ctx`` tokens: position ctx - 1
         cache = synthetic_paged(model, ctx - 1, torch.Generator().manual_seed(ctx), headroom=8)
-        static = StaticDecoder(model, cache, max_model_len)
+        static = StaticDecoder(model, cache.paged, max_model_len)
         held = cache.seqs[0]
         bucket = next(c for c in context_buckets(max_model_len) if c >= ctx)
         dev = model.embed.weight.device

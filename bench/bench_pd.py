@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.build import build_engine  # noqa: E402
-from engine.core.pd_state import state_tensors  # noqa: E402
+from engine.cache_dtype import SETTINGS as CACHE_SETTINGS, CacheDtype  # noqa: E402
 from engine.run_config import RunConfig  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from server.launch.local import LocalPD, log_tail  # noqa: E402
@@ -83,21 +83,29 @@ def prefill_time_sum(client: httpx.Client, metrics_url: str) -> float | None:
 
 
 def state_bytes(engine, prompt: list[int]) -> int:
+    """Bytes of the decode state a prefill worker sends for ``prompt`` (``engine.pd.export_state``:
+    the trunk's state, and with MTP its window rings)."""
     engine.add_request("sb", prompt, SamplingParams(max_new_tokens=1, temperature=0.0), hold_state=True)
     while engine.has_unfinished():
         engine.step()
-    n = sum(t.numel() * t.element_size() for t in state_tensors(engine.cache, "sb", len(prompt)).values())
-    engine.release("sb")
-    return n
+    _, tensors = engine.pd.export_state("sb")
+    engine.pd.release("sb")
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def transfer_bandwidth(kind: str, nbytes: list[int], reps: int = 5) -> dict[int, float]:
+def cache_setting(engine) -> str:
+    """The ``scheduler_config.kv_cache_dtype`` name of ``engine``'s cache storage."""
+    return next(k for k, v in CACHE_SETTINGS.items() if CacheDtype(*v) == engine.cache.config.cache_dtype)
+
+
+def transfer_bandwidth(kind: str, nbytes: list[int], setting: str = "bfloat16", reps: int = 5) -> dict[int, float]:
     """Bytes / s of a send -> ack over ``kind`` for a message of at least each of ``nbytes`` (whole
-    MiB, as ``bench/bench_transfer.py`` measures it). Small messages are latency bound, so this is
-    the time a state of that size takes, not the link's peak."""
+    MiB, as ``bench/bench_transfer.py`` measures it, its caches stored as ``setting``, a
+    ``scheduler_config.kv_cache_dtype``). Small messages are latency bound, so this is the time a
+    state of that size takes, not the link's peak."""
     from bench.bench_transfer import receive
     sizes = {n: f"{max(1, math.ceil(n / 2**20))}M" for n in nbytes}
-    res = {r["size"]: r for r in receive(kind, sorted(set(sizes.values())), reps)["results"]}
+    res = {r["size"]: r for r in receive(kind, sorted(set(sizes.values())), reps, setting)["results"]}
     return {n: res[s]["bytes"] / statistics.median(res[s]["times_s"]) for n, s in sizes.items()}
 
 
@@ -119,7 +127,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     prompts = {L: torch.randint(1000, 60000, (L,), generator=g).tolist() for L in a.lengths}
     sbytes = {L: state_bytes(engine, p) for L, p in prompts.items()}
-    by_size = transfer_bandwidth(a.transport, list(sbytes.values()))
+    by_size = transfer_bandwidth(a.transport, list(sbytes.values()), cache_setting(engine))
     bw = {L: by_size[n] for L, n in sbytes.items()}
     Path("bench/out").mkdir(parents=True, exist_ok=True)
     log = "bench/out/bench_pd.log"

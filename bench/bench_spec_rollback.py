@@ -1,19 +1,26 @@
-"""Host time of an MTP verify step's rollback bookkeeping, per step, side by side:
+"""Host cost of an MTP verify step's rollback, per step:
 
     .venv/bin/python -m bench.bench_spec_rollback [--batches 1,8,32,64] [--next-n 3] [--layers 43] [--json]
 
-* eager path: each request's ``PagedSequenceState`` (``SpecDecoder.begin``) and ``Rollback``
-  (saves its remainder rows per layer, restores them on ``settle``): per request and layer;
-* graph path: one ``SpanRollback`` (every layer of a kind in one op per state tensor).
+Every verify span runs through the decode step (``StaticDecoder``: eager with host positions, or
+the captured step), and both make the same rollback (``ModelRunner.run_rows``): one
+``engine.core.mtp_runner.SpanRollback`` over the step's spans, every layer of a kind in one op per
+compressor-state tensor. (The eager journal ``Rollback``, per request and layer, is gone: this
+measures what exists.) Its two halves, each per step:
+
+* make: the saved rows, read before the decode step writes (``SpanRollback(...)``);
+* settle: the restore once the step's tokens are sampled (``settle`` of every span, then
+  ``apply``: what ``ModelRunner.draft`` does).
 
 The pools are a ``PagedCache`` at Flash's real widths (reference §2.2: head_dim 512, index head
 dim 128) with ``--layers`` layers in Flash's pattern (2 window layers, then CSA / HCA
 alternating); every request is at a length whose span closes a CSA window and keeps only the
 pending token (the rejected tail is restored: the most work). No model runs. Per step: the aten
-ops each path dispatches (on an accelerator each is a kernel launch or a view the host builds,
-outside the captured step, so the count is what the host pays) and its CPU milliseconds (on the
-CPU the graph path's time is its data: every layer's saved rows, ~100 MB at batch 64, which an
-accelerator's memory moves in well under a millisecond). Medians of ``--repeat`` runs, one thread.
+ops each half dispatches (on an accelerator each is a kernel launch or a view the host builds,
+outside the captured step, so the count is what the host pays: it does not grow with the batch or
+the layers) and its CPU milliseconds (on the CPU the time is the data: every layer's saved rows,
+~100 MB at batch 64, which an accelerator's memory moves in well under a millisecond). Medians of
+``--repeat`` runs, one thread.
 """
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 from engine.checkpoint.make_tiny import PRESETS  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.core.block_manager import CacheConfig  # noqa: E402
-from engine.core.kv_cache import PagedCache  # noqa: E402
-from engine.core.spec_decode import Rollback, SpanRollback  # noqa: E402
+from engine.core.kv_cache import LocalCache  # noqa: E402
+from engine.core.mtp_runner import SpanRollback  # noqa: E402
 
 CONTEXT = 126                         # L: positions 126 .. 126 + next_n close the CSA window at 127
 
@@ -67,30 +74,33 @@ class _OpCount(TorchDispatchMode):
 
 
 def measure(batch: int, next_n: int, layers: int, repeat: int) -> dict:
-    """One batch size: aten ops and CPU ms per step of each path."""
+    """One batch size: aten ops and CPU ms per step of each half (``make_*``, ``settle_*``)."""
     args = flash_args(layers)
-    cache = PagedCache(args, CacheConfig(128, batch, {"c4": batch, "c128": batch}, next_n=next_n), torch.bfloat16)
+    cache = LocalCache(args, CacheConfig(128, batch, {"c4": batch, "c128": batch}, next_n=next_n), torch.bfloat16)
     ids = [f"r{i}" for i in range(batch)]
     for sid in ids:
         cache.allocate(sid, CONTEXT + 1 + next_n)
     span = 1 + next_n
+    # (req_id, state slot, L, tokens in the step): what ``ModelRunner.run_rows`` passes
     spans = [(sid, cache.seqs[sid].state_slot, CONTEXT, span) for sid in ids]
 
-    def eager():
-        rbs = [Rollback(cache.sequence_state(sid, CONTEXT), span) for sid in ids]
-        for rb in rbs:
-            rb.apply(1)
+    def make() -> SpanRollback:
+        return SpanRollback(cache.paged, spans)
 
-    def graph():
-        rb = SpanRollback(cache, spans)
-        for sid in ids:
+    def settle(rb: SpanRollback) -> None:
+        for sid in ids:                      # ``ModelRunner.draft``: settle each, then apply
             rb.settle(sid, 1)
+        rb.apply()
 
     out = {"batch": batch, "next_n": next_n, "layers": layers}
-    for name, fn in (("eager", eager), ("graph", graph)):
-        with _OpCount() as c:
-            fn()
-        out[f"{name}_ops"], out[f"{name}_ms"] = c.n, _median_ms(fn, repeat)
+    with _OpCount() as c:
+        rb = make()
+    out["make_ops"], out["make_ms"] = c.n, _median_ms(make, repeat)
+    with _OpCount() as c:
+        settle(rb)
+    out["settle_ops"] = c.n
+    made = [make() for _ in range(repeat)]   # a fresh rollback per timed settle (each applies once)
+    out["settle_ms"] = _median_ms(lambda: settle(made.pop()), repeat)
     return out
 
 
@@ -107,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"MTP verify rollback per step: {a.layers} layers at Flash widths, next_n {a.next_n}, every span's CSA "
-          "close rejected; aten ops (kernel launches on an accelerator) and CPU ms")
-    print(f"{'batch':>6}{'eager ops':>11}{'graph ops':>11}{'eager ms':>10}{'graph ms':>10}")
+    print(f"MTP verify rollback per step (SpanRollback: the eager and the captured decode step alike): "
+          f"{a.layers} layers at Flash widths, next_n {a.next_n}, every span's CSA close rejected; aten ops "
+          "(kernel launches on an accelerator) and CPU ms")
+    print(f"{'batch':>6}{'make ops':>10}{'settle ops':>12}{'make ms':>10}{'settle ms':>11}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['eager_ops']:>11}{r['graph_ops']:>11}{r['eager_ms']:>10.2f}{r['graph_ms']:>10.2f}")
+        print(f"{r['batch']:>6}{r['make_ops']:>10}{r['settle_ops']:>12}{r['make_ms']:>10.2f}{r['settle_ms']:>11.2f}")
     return 0
 
 

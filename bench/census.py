@@ -9,12 +9,14 @@ op table of ``--platform`` (``cpu``: the reference ops; ``npu-stub``: the Ascend
 ``engine.ops.npu`` over ``bench.npu_stub``, a contract stub of torch_npu / cann-recipes-infer's
 custom ops, so every wrapper's input checks run as on an A3 and each call's path is known).
 Then ``--batch`` requests of ``--context`` random tokens are prefilled through the serving engine
-(``LLMEngine``) and ``--steps`` full decode steps (scheduler + model + sampling) are counted:
+(``LLMEngine``) and ``--steps`` full decode steps (scheduler + model + sampling; the decode rows
+run through the eager decode step, ``StaticDecoder.run`` with host positions) are counted:
 
 * per seam op (``engine.ops.Ops``): calls per decode step by path (kernel / reference /
   fallback with the wrapper's reason), ``bench.census_count.OpRecorder``;
 * host syncs per decode step by kind and call site (``bench.census_count.SyncCounter``);
-* with ``--graph``: the same for one call of the graph-mode step (``StaticDecoder``, run eager),
+* with ``--graph``: the same for one call of the graph-mode step (``StaticDecoder``'s fixed-shape
+  step, no host positions, called uncompiled),
   and its graph breaks under ``torch._dynamo.explain`` (those inside the contract stub's own
   Python are counted apart: on an NPU its kernels are graph-capturable ops).
 
@@ -132,11 +134,12 @@ def _figures(rec: OpRecorder, syncs: SyncCounter, per: int) -> dict:
 def _graph_step(model, eng, rec: OpRecorder, syncs: SyncCounter) -> dict:
     """One eager call of the graph-mode ``StaticDecoder`` step over the engine's padded batch
     (padding rows only: no request state is touched), counted; then its graph breaks."""
-    from engine.core.model_runner import DecodeRunner, ExecConfig
+    from engine.core.graph_runner import DecodeRunner, ExecConfig
     from engine.platform import detect
 
-    runner = DecodeRunner(model, eng.cache, eng.limits.max_model_len, eng.limits.batch_size, detect("cpu"),
-                          ExecConfig(exe_mode="npugraph_ex"), span=1 + eng.cache.config.next_n)
+    pools = eng.runner.pools                  # the tensors; ``eng.cache`` is the block accounting
+    runner = DecodeRunner(model, pools, eng.limits.max_model_len, eng.limits.batch_size, detect("cpu"),
+                          ExecConfig(exe_mode="npugraph_ex"), span=1 + pools.config.next_n)
     B = runner.buckets[-1]
     inputs = runner._inputs([], B, runner.contexts[-1])
     rec.reset()

@@ -14,14 +14,16 @@ and which term binds:
   full decode steps timed (median; scheduler + model, sampling included);
 * decode step vs context at batch 1 on a synthetic paged state (``synthetic_paged``: the pools
   of one request filled with random unit-scale values for ``context`` tokens; prefilling 128K
-  tokens on a CPU takes minutes), the engine's decode path: ``forward_batch`` + logits (median);
+  tokens on a CPU takes minutes), the engine's eager decode step (``ModelRunner.decode``:
+  ``StaticDecoder.run`` with host positions) + logits (median);
 * prefill time vs prompt length: fresh state, chunks of ``--prefill-chunk`` tokens, then the
   logits of the last row; ``linearity`` = time / (time at the first length x length ratio);
 * per-op breakdown of one engine decode step (batch 1 and the largest batch, after
   ``--prompt-len``-token prompts): every op of the ``engine.ops.Ops`` table under
   ``torch.profiler.record_function(name)``, the LM head (``model.logits``) as ``lm_head``; ms per
   step per op and "other (python / glue)" = step - ops, split into torch ops run outside the table
-  (sampling, batching glue) and Python; the batched decode attention is ``decode_rows``;
+  (sampling, batching glue, the compressors' state updates) and Python; the decode step's
+  attention, indexer and compressors are counted op by op (``decode_sparse_attn``, ...);
 * unless ``--no-hf``: HF transformers' batch-1 decode ms/token beside ours and the limit
   (``bench.bench_model.run_one``, separate processes, fp32).
 

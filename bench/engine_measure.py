@@ -20,32 +20,50 @@ HEAD = "lm_head"               # profiler label of model.logits
 
 # ---- state -------------------------------------------------------------------------------------
 def synthetic_paged(model, context: int, generator: torch.Generator, headroom: int = 64, requests: int = 1):
-    """A ``PagedCache`` holding ``requests`` requests (ids 0 ..) each as after prefilling ``context``
-    tokens, random values: every pool filled with unit-scale normals (the entries, ring and
-    compressor rows a real prefill writes are all in there; the rest is never read). Room for
-    ``headroom`` more tokens each."""
+    """A ``LocalCache`` (block accounting + its pools, ``.paged``) holding ``requests`` requests
+    (ids 0 ..) each as after prefilling ``context`` tokens, random values: every pool filled with
+    unit-scale normals (the entries, ring and compressor rows a real prefill writes are all in
+    there; the rest is never read). Room for ``headroom`` more tokens each."""
     from engine.core.block_manager import CacheConfig, Geometry
-    from engine.core.kv_cache import PagedCache
+    from engine.core.kv_cache import LocalCache
     from engine.config import CSA_RATIO
 
     g = Geometry.of(model.args, 128)
     n = context + headroom
     blocks = {p: max(1, g.blocks_needed(p, n)) * requests for p in ("c4", "c128")}
-    cache = PagedCache(model.args, CacheConfig(128, requests, blocks), model.dtype, model.embed.weight.device)
+    cache = LocalCache(model.args, CacheConfig(128, requests, blocks), model.dtype, model.embed.weight.device)
     held = [cache.allocate(i, n) for i in range(requests)]
     for t in cache.tensors():
         t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
     if context < CSA_RATIO:                         # no CSA window closed yet: overlap weights still 0
         for h in held:
-            cache.reset_slot(h.state_slot)
+            cache.paged.reset_slot(h.state_slot)
     return cache
+
+
+def eager_decode(model, cache, max_model_len: int):
+    """An eager engine's decode step over ``cache`` (``synthetic_paged``): ``step(tokens, position)``
+    runs token ``tokens[r]`` of each request r (ids 0 ..) at ``position`` through the model
+    runner's decode rows (``ModelRunner.decode``: ``StaticDecoder.run`` uncompiled, host positions,
+    exact per row) -> hidden ``[requests, H]``; the pools advance."""
+    from engine.core.model_runner import ModelRunner
+    from engine.core.step import ScheduledRow
+
+    held = [cache.seqs[r] for r in sorted(cache.seqs)]
+    runner = ModelRunner(model, cache.paged, max_model_len, len(held))
+
+    def step(tokens, position: int) -> torch.Tensor:
+        rows = [ScheduledRow(str(r), position, [int(t)], samples=True, state_slot=h.state_slot, block_tables=h.tables)
+                for r, (t, h) in enumerate(zip(tokens, held))]
+        return runner.decode(rows, list(range(len(rows))))
+    return step
 
 
 # ---- ops labelled for the profiler ---------------------------------------------------------------
 def _label(name: str, fn):
     """``fn`` inside ``record_function(name)`` while a profiler runs (otherwise one flag check).
     ``functools.wraps`` keeps ``__wrapped__``, so code that unwraps an op to recognise the
-    reference (``Transformer``'s batched decode) sees the op it wraps and takes the same path."""
+    reference (``StaticDecoder``'s routed experts) sees the op it wraps and takes the same path."""
     enabled = torch.autograd._profiler_enabled
 
     @functools.wraps(fn)
@@ -158,15 +176,16 @@ def decode_vs_batch(model, batch: int, prompt_len: int, steps: int, hw: dict, dt
 
 
 def decode_vs_context(model, context: int, steps: int, hw: dict, dtype, seed: int = 0) -> dict:
-    """Batch 1 on ``synthetic_paged(context)`` (the serving engine's paged path): median of
-    ``steps`` timed ``logits(forward_batch(token))``."""
+    """Batch 1 on ``synthetic_paged(context)`` through the serving engine's eager decode step
+    (``eager_decode``): median of ``steps`` timed ``logits(decode step(token))``."""
     g = torch.Generator().manual_seed(seed)
     cache = synthetic_paged(model, context, g, headroom=steps + 16)
+    decode = eager_decode(model, cache, context + steps + 16)
     tok = torch.randint(2, model.args.vocab_size, (1,), generator=g)
     times = []
     for i in range(steps + 1):                                 # first step: warm-up
         t0 = time.perf_counter()
-        h = model.forward_batch(tok, [cache.sequence_state(0, context + i)], [1])
+        h = decode(tok.tolist(), context + i)
         tok = model.logits(h).argmax(-1)
         if i:
             times.append(time.perf_counter() - t0)
@@ -199,10 +218,10 @@ def breakdown(wmodel, batch: int, prompt_len: int, steps: int, seed: int = 0) ->
     ``labelled_model``. ``steps`` steps timed, then ``steps`` profiled with ``torch.profiler``.
 
     Per step: ms of every labelled op (the ``Ops`` table, ``lm_head``), and the rest ("other"):
-    torch ops run outside the table (e.g. sampling) and Python. The batched decode attention of
-    paged requests (window, compressors, indexer, sparse attention) is labelled ``decode_rows``.
+    torch ops run outside the table (e.g. sampling, the compressors' state updates) and Python.
+    The decode rows run through the decode step (``StaticDecoder.run``), whose attention, indexer
+    and compressors call the table's ops, so they are counted op by op.
     """
-    from engine.core.batched_decode import PROFILE_LABEL as DECODE_ROWS
     from engine.ops import OP_NAMES
 
     eng = _engine_ready(wmodel, batch, prompt_len, 2 * steps + 4, seed)
@@ -216,7 +235,7 @@ def breakdown(wmodel, batch: int, prompt_len: int, steps: int, seed: int = 0) ->
             with torch.profiler.record_function(STEP):
                 eng.step()
     full = len(_full_steps(eng, batch)) - len(plain)
-    at = attribute(prof.events(), set(OP_NAMES) | {HEAD, DECODE_ROWS})
+    at = attribute(prof.events(), set(OP_NAMES) | {HEAD})
     n, total_us = max(at["steps"], 1), at["total_us"]
     total_ms = total_us / n / 1e3
     ops = {k: {"ms": round(v[0] / n / 1e3, 4), "share": round(v[0] / total_us, 4), "calls_per_step": v[1] / n}

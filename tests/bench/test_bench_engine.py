@@ -174,11 +174,12 @@ def _shapes(state):
 def test_synthetic_paged_state_matches_real_prefill(model, context):
     """Same entry counts, shapes, dtypes and finite / -inf overlap state as a real prefill of
     that many tokens over the pools; a decode step on it runs and appends like a real one."""
+    from bench.engine_measure import eager_decode
     from engine.core.block_manager import CacheConfig
-    from engine.core.kv_cache import PagedCache
+    from engine.core.kv_cache import LocalCache
 
     ids = torch.randint(2, model.args.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
-    real = PagedCache(model.args, CacheConfig(128, 1, {"c4": 4, "c128": 1}), model.dtype)
+    real = LocalCache(model.args, CacheConfig(128, 1, {"c4": 4, "c128": 1}), model.dtype)
     real.allocate(0, context + 8)
     model.forward_batch(ids, [real.sequence_state(0, 0)], [context])
     syn = synthetic_paged(model, context, torch.Generator().manual_seed(1), headroom=8)
@@ -187,9 +188,9 @@ def test_synthetic_paged_state_matches_real_prefill(model, context):
         st = syn.sequence_state(0, context)
         assert st.layers[2].cmp_kv.num_entries == 150 and st.layers[3].cmp_kv.num_entries == 4
         assert st.layers[2].cmp_kv.view().float().std() == pytest.approx(1.0, abs=0.1)   # unit scale
-    tok = torch.tensor([5])
-    for c in (real, syn):
-        model.logits(model.forward_batch(tok, [c.sequence_state(0, context)], [1]))
+    for c in (real, syn):                          # the engine's eager decode step (what the bench times)
+        h = eager_decode(model, c, context + 8)([5], context)
+        assert h.shape == (1, model.args.hidden_size) and torch.isfinite(model.logits(h)).all()
     assert _shapes(syn.sequence_state(0, context + 1)) == _shapes(real.sequence_state(0, context + 1))
 
 

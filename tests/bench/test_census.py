@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # CSA, HCA; every layer kind at 2/3 of the trace time of all 6
 LAYERS = 4
 CSA_LAYERS = 1
+# compressors of those layers: CSA's own and its indexer's, HCA's (the window layers have none)
+COMPRESSORS = 2 * CSA_LAYERS + 1
 
 
 def _cut(path: Path, out: Path | None = None) -> dict:
@@ -53,10 +55,17 @@ def test_eager_decode_step_op_counts_per_step(fig):
     assert ref["hc_pre"] == ref["hc_post"] == 2 * LAYERS             # attention + FFN sites per layer
     assert ref["moe_experts"] == ref["gating_topk"] == ref["swiglu_clamp"] == LAYERS
     assert ref["grouped_linear"] == LAYERS                           # wo_a
-    # the decode rows of all requests: one window write, one attention call per layer and one
-    # indexer call per CSA layer; their compressors run the reference math outside the seam
-    assert ref["cache_write"] == LAYERS
+    # the decode rows of all requests go through the decode step (``StaticDecoder.run``): one
+    # window write, one attention call per layer and one indexer call per CSA layer; each
+    # compressor's projections (wkv, wgate), norm, rope and entry write are seam calls too
+    assert ref["cache_write"] == LAYERS + COMPRESSORS
     assert ref["decode_sparse_attn"] == LAYERS and ref["decode_indexer_topk"] == CSA_LAYERS
+    # the seam's fp32 linears: each layer's router, each indexer's weights_proj, each compressor's wkv / wgate
+    assert ref["linear"] == LAYERS + CSA_LAYERS + 2 * COMPRESSORS
+    # the eager step is the graph step's code: the same seam calls, but the LM head and the
+    # eager MoE's grouped experts
+    graph = {op: row["reference"] for op, row in fig["graph_step"]["ops"].items()}
+    assert {op: n for op, n in ref.items() if op not in ("lm_head", "moe_experts")} == graph
     for op in ("sparse_attn", "compressor", "indexer_topk", "cache_indexer_topk", "cache_sparse_attn"):
         assert op not in ref
 
@@ -64,12 +73,12 @@ def test_eager_decode_step_op_counts_per_step(fig):
 def test_eager_decode_step_host_syncs_by_site(fig):
     sites = fig["sync_sites"]
     files = {s.split(" @ ")[1].rsplit(":", 1)[0] for s in sites}
-    assert files == {"engine/ops/reference/moe.py", "engine/core/sample_step.py"}
+    assert files == {"engine/ops/reference/moe.py", "engine/core/model_runner.py"}
     moe = sum(n for s, n in sites.items() if "reference/moe.py" in s)
     assert moe == 6 * LAYERS     # per layer: unique, repeat_interleave, int(blocks.sum()), 3 tolist of the spans
     # sampling stays on the device: the step's one copy to the host is the sampler's small result
     # (ids, requested logprobs, finite flags), never the [B, V] logits
-    assert sum(n for s, n in sites.items() if "sample_step.py" in s) == 1
+    assert sum(n for s, n in sites.items() if "model_runner.py" in s) == 1
     assert fig["host_syncs_per_step"] == sum(sites.values())
 
 
@@ -112,9 +121,12 @@ def test_npu_stub_census_decodes_all_rows_in_one_call_per_layer(stub_fig):
     for op in ("sparse_attn", "cache_indexer_topk", "cache_sparse_attn"):
         assert op not in ops                              # no per-sequence attention at decode
     assert ops["gating_topk"]["kernel"] == LAYERS and ops["rope"]["kernel"] > 0     # kernels are reached
-    # bf16 residual streams on an NPU (engine.ops.residual_dtype_for): no norm falls back for its
-    # dtype, and mHC falls back only for the tiny preset's hidden size (real widths: test_npu_stub)
-    assert ops["rms_norm"]["fallback"] == {} and ops["rms_norm"]["kernel"] > 0
+    # bf16 residual streams on an NPU (engine.ops.residual_dtype_for): no norm of the layers falls
+    # back for its dtype, and mHC falls back only for the tiny preset's hidden size (real widths:
+    # test_npu_stub). The compressors' pooled entries are fp32 (§3.4): their norm and rope are the
+    # reference math (the decode step's ``compress_span``, as in the graph step)
+    fp32 = {"x dtype float32, kernel path takes bfloat16/float16": COMPRESSORS}
+    assert ops["rms_norm"]["fallback"] == ops["rope"]["fallback"] == fp32 and ops["rms_norm"]["kernel"] > 0
     for op in ("hc_pre", "hc_post"):
         assert ops[op]["fallback"] == {"hidden 256 not in (4096, 7168)": 2 * LAYERS}, op
     assert not any("npu_stub" in s for s in stub_fig["sync_sites"])     # the stub kernels run on a device there
