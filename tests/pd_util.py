@@ -71,10 +71,11 @@ def state_payload_bytes(engine, num_tokens: int) -> int:
     def nbytes(shape, dtype) -> int:
         return math.prod(shape) * dtype.itemsize
 
-    total = sum(nbytes(*sd) for sd in expected_shapes(engine.cache, num_tokens).values())
+    pools = engine.runner.pools
+    total = sum(nbytes(*sd) for sd in expected_shapes(pools, num_tokens).values())
     if engine.spec is not None:
         rows = min(num_tokens, engine.model.args.sliding_window - 1)
-        total += engine.model.args.num_mtp_layers * sum(nbytes(*sd) for sd in engine.cache.kv_codec.part_shapes(rows))
+        total += engine.model.args.num_mtp_layers * sum(nbytes(*sd) for sd in pools.kv_codec.part_shapes(rows))
     return total
 
 

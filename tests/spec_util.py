@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.pd_state import state_tensors
-
 
 def states_by_length(eng, prompt: list[int], params) -> dict[int, dict[str, torch.Tensor]]:
     """Run one request ``"r"`` on ``eng`` to the end; its exported state after each step, by length L."""
@@ -14,7 +12,7 @@ def states_by_length(eng, prompt: list[int], params) -> dict[int, dict[str, torc
         eng.step()
         seq = eng.seqs.get("r")
         if seq is not None:
-            out[seq.num_computed] = state_tensors(eng.cache, "r", seq.num_computed)
+            out[seq.num_computed] = eng.runner.state_tensors(eng.cache.seqs["r"], seq.num_computed)
     return out
 
 

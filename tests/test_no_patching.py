@@ -1,7 +1,8 @@
 """Multi-rank runs through explicit seams, checked from the source: no ``__class__`` swaps anywhere,
-and engine/parallel replaces no method of another object (the engine calls an executor,
-``engine.core.executor``; sharding builds parallel modules or sets the model's documented TP
-fields), so reading ``model.logits`` or ``type(block.ffn)`` tells what runs on every rank."""
+and engine/parallel replaces no method of another object (the engine calls a model runner,
+``engine.core.model_runner`` / ``engine.parallel.rank_runner``; sharding builds parallel modules or
+sets the model's documented TP fields), so reading ``model.logits`` or ``type(block.ffn)`` tells
+what runs on every rank."""
 from __future__ import annotations
 
 import ast

@@ -57,11 +57,11 @@ class ModelRunner:
     def __init__(self, model: Transformer, pools: PagedCache, max_model_len: int, max_batch: int,
                  platform: Platform | None = None, graph: ExecConfig | None = None, rows_mode: str | None = None,
                  samples: bool = True):
-        self.model, self.pools, self.samples, self.device = model, pools, samples, pools.device
-        self.platform = platform or detect("cpu")
         self.next_n = pools.config.next_n
         if self.next_n and not len(model.mtp):
             raise ValueError("next_n > 0 needs the model's MTP layer (load it with mtp=True)")
+        self.model, self.pools, self.samples, self.device = model, pools, samples, pools.device
+        self.platform = platform or detect("cpu")
         self.span = 1 + self.next_n
         self.cfg = graph or ExecConfig()
         self.graph = (DecodeRunner(model, pools, max_model_len, max_batch, self.platform, self.cfg, rows_mode,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.core.block_manager import CacheConfig, CacheFullError, Geometry, plan_cache
-from engine.core.kv_cache import PagedCache
+from engine.core.kv_cache import LocalCache
 from engine.checkpoint.loader import load_model
 
 
@@ -40,7 +40,7 @@ def test_plan_cache_uses_the_budget(model):
 
 
 def test_allocate_free_exact_counts_and_two_phase(model):
-    c = PagedCache(model.args, CacheConfig(16, 3, {"c4": 10, "c128": 2}), torch.float32)
+    c = LocalCache(model.args, CacheConfig(16, 3, {"c4": 10, "c128": 2}), torch.float32)
     total = c.num_free()
     assert total == {"win": 24, "state": 3, "c4": 10, "c128": 2}
     c.allocate("a", 300)                          # 75 entries -> 5 CSA blocks, 2 HCA entries -> 1 block
@@ -67,7 +67,7 @@ def test_paged_state_is_bit_identical_to_contiguous(model):
     st = model.new_state()
     ref = [model.logits(model(a[:600], st))] + [model.logits(model(a[i:i + 1], st)) for i in range(600, 660)]
     ref = torch.cat(ref)
-    c = PagedCache(model.args, CacheConfig(16, 2, {"c4": 64, "c128": 8}), torch.float32)
+    c = LocalCache(model.args, CacheConfig(16, 2, {"c4": 64, "c128": 8}), torch.float32)
     for attempt in range(2):                      # second pass reuses the freed slots and blocks
         c.allocate("b", 300)
         c.allocate("a", 700)

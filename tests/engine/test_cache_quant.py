@@ -8,11 +8,10 @@ import torch
 
 from engine.cache_dtype import CacheDtype, indexer_row_bytes, kv_row_bytes
 from engine.checkpoint.loader import load_model
+from engine.core.graph_runner import ExecConfig
 from engine.core.llm_engine import LLMEngine
-from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.pd_state import expected_shapes
 from engine.core.sampling_params import SamplingParams
-from engine.platform import detect
 from engine.tools.cache_accuracy import accuracy
 
 CACHES = {"int8": CacheDtype("none", "int8"), "fp8": CacheDtype("fp8", "fp8"), "hif8": CacheDtype("hif8", "hif8")}
@@ -25,9 +24,9 @@ def model(tiny_ckpt):
     return load_model(tiny_ckpt("flash", 1), progress=False)
 
 
-def _engine(model, cache, batch_size=4, max_prefill_tokens=200):
+def _engine(model, cache, batch_size=4, max_prefill_tokens=200, graph=None):
     return LLMEngine.build(model, block_size=16, batch_size=batch_size, max_prefill_tokens=max_prefill_tokens,
-                           max_model_len=1024, num_kv_blocks=48, cache_dtype=cache)
+                           max_model_len=1024, num_kv_blocks=48, cache_dtype=cache, graph=graph)
 
 
 def _prompt(model, n, seed=0):
@@ -39,7 +38,7 @@ def _prefill(eng, prompt, params):
     eng.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}), hold_state=True)
     while eng.has_unfinished():
         eng.step()
-    return eng.export_state("r")
+    return eng.pd.export_state("r")
 
 
 def state_bytes(a, L: int, cache: CacheDtype, act_bytes: int = 4) -> int:
@@ -69,13 +68,13 @@ def test_pd_split_ships_the_stored_state_and_changes_no_token(model, name):
             p_eng, d_eng = _engine(model, cache), _engine(model, cache)
             seq, tensors = _prefill(p_eng, prompt, params)
             shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-            assert shapes == expected_shapes(p_eng.cache, length)
+            assert shapes == expected_shapes(p_eng.runner.pools, length)
             sent = sum(t.numel() * t.element_size() for t in tensors.values())
             assert sent == state_bytes(model.args, length, cache)
             assert sent < state_bytes(model.args, length, CacheDtype()) or length < 4
-            p_eng.release("r")
-            d_eng.add_prefilled("r", prompt, seq.output_ids[0], SamplingParams(**{**params.__dict__,
-                                                                                  "seed": seq.params.seed}), tensors)
+            p_eng.pd.release("r")
+            d_eng.pd.add_prefilled("r", prompt, seq.output_ids[0],
+                                   SamplingParams(**{**params.__dict__, "seed": seq.params.seed}), tensors)
             out = [seq.output_ids[0]]
             while d_eng.has_unfinished():
                 out += [t for o in d_eng.step() for t in o.new_token_ids]
@@ -89,8 +88,8 @@ def test_a_quantised_state_is_refused_by_an_unquantised_decode(model):
     seq, tensors = _prefill(_engine(model, CACHES["fp8"]), prompt, GREEDY)
     d_eng = _engine(model, CacheDtype())
     with pytest.raises(RequestError, match="^state: .*(win_kv|idx_kv)"):
-        d_eng.add_prefilled("r", prompt, seq.output_ids[0], SamplingParams(**{**GREEDY.__dict__,
-                                                                               "seed": seq.params.seed}), tensors)
+        d_eng.pd.add_prefilled("r", prompt, seq.output_ids[0], SamplingParams(**{**GREEDY.__dict__,
+                                                                                  "seed": seq.params.seed}), tensors)
     assert d_eng.num_free_blocks() == d_eng.num_total_blocks()
 
 
@@ -118,9 +117,8 @@ def test_captured_decode_step_reads_the_same_cache(model, name):
     cache = CACHES[name]
     prompts = [_prompt(model, n, seed=n) for n in (1, 255, 300)]
     ref = _engine(model, cache).generate(prompts, GREEDY)
-    eng = _engine(model, cache)
-    eng.runner = DecodeRunner(model, eng.cache, 1024, 4, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-    eng.runner.use_eager()                                                     # the captured math, run eagerly
+    eng = _engine(model, cache, graph=ExecConfig(exe_mode="npugraph_ex"))
+    eng.runner.graph.use_eager()                                               # the captured math, run eagerly
     got = eng.generate(prompts, GREEDY)
     assert [o.output_ids for o in got] == [o.output_ids for o in ref]
     assert eng.num_free_blocks() == eng.num_total_blocks()
@@ -130,11 +128,11 @@ def test_contiguous_state_equals_the_pools(model):
     """``model.forward`` over a contiguous ``SequenceState`` with the same cache storage gives the
     paged engine's hidden states bit for bit (the teacher-forced accuracy below uses it)."""
     from engine.core.block_manager import CacheConfig
-    from engine.core.kv_cache import PagedCache
+    from engine.core.kv_cache import LocalCache
     cache = CACHES["fp8"]
     toks = torch.tensor(_prompt(model, 300, seed=4))
     h = model.forward(toks, model.new_state(cache=cache))
-    pc = PagedCache(model.args, CacheConfig(16, 1, {"c4": 8, "c128": 1}, 0, cache), model.dtype)
+    pc = LocalCache(model.args, CacheConfig(16, 1, {"c4": 8, "c128": 1}, 0, cache), model.dtype)
     pc.allocate(0, 300)
     hp = model.forward_batch(toks, [pc.sequence_state(0, 0)], [300])
     assert torch.equal(h, hp)

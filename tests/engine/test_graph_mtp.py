@@ -6,14 +6,13 @@ traces as one graph."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.checkpoint.loader import load_model
+from engine.core.graph_runner import DecodeRunner, ExecConfig
 from engine.core.llm_engine import LLMEngine
-from engine.core.model_runner import DecodeRunner, ExecConfig
 from engine.core.sampling_params import SamplingParams
 from engine.platform import detect
 from graph_cfg import assert_close_outputs
@@ -30,11 +29,10 @@ def agree(tiny_ckpt):
 def _engine(model, next_n: int, graph: bool, batch_size: int = 4, **kw) -> LLMEngine:
     eng = LLMEngine.build(model, **{**dict(block_size=16, batch_size=batch_size, max_prefill_tokens=64,
                                            max_model_len=MAX_LEN, num_kv_blocks=60, num_reserved_decode_tokens=0,
-                                           next_n=next_n), **kw})
+                                           next_n=next_n), **kw},
+                          graph=ExecConfig(exe_mode="npugraph_ex") if graph else None)
     if graph:
-        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch_size, detect("cpu"),
-                                  ExecConfig(exe_mode="npugraph_ex"), span=1 + next_n)
-        eng.runner.use_eager()        # the static step's math without the compile time
+        eng.runner.graph.use_eager()  # the static step's math without the compile time
     return eng
 
 
@@ -61,8 +59,8 @@ def test_graph_verify_equals_the_eager_mtp_engine(agree, next_n):
     want = _run(_engine(agree, next_n, graph=False), prompts, params)
     eng = _engine(agree, next_n, graph=True)
     calls = []
-    run = eng.runner.run
-    eng.runner.run = lambda rows: calls.append([len(r[0]) for r in rows]) or run(rows)
+    run = eng.runner.graph.run
+    eng.runner.graph.run = lambda rows: calls.append([len(r[0]) for r in rows]) or run(rows)
     got = _run(eng, prompts, params)
     worst = assert_close_outputs(got, want)
     st = eng.spec.stats
@@ -89,7 +87,7 @@ def test_the_span_step_traces_as_one_graph(agree):
     """The span-4 step (next_n 3) has no graph break: torch.compile(fullgraph=True) traces it
     whole (backend "eager": dynamo's trace without inductor's compile time)."""
     eng = _engine(agree, 3, graph=True, batch_size=2)
-    r = eng.runner
+    r = eng.runner.graph
     traced = torch.compile(r.static.__call__, backend="eager", fullgraph=True)
     hidden, streams = traced(*r._inputs([], 2, r.contexts[0]))
     H = agree.args.hidden_size
@@ -98,14 +96,14 @@ def test_the_span_step_traces_as_one_graph(agree):
 
 
 def test_a_span_past_the_csa_ratio_or_not_1_plus_next_n_is_refused(agree):
-    from engine.core.model_runner import spec_graph
     eng = _engine(agree, 1, graph=False)
     with pytest.raises(ValueError, match="span must be 1 .. 4"):
-        DecodeRunner(agree, eng.cache, MAX_LEN, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"), span=5)
-    short = DecodeRunner(agree, eng.cache, MAX_LEN, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-    batch = SimpleNamespace(num_tokens=[2])
-    with pytest.raises(ValueError, match="span 1 \\+ next_n = 2, got 1"):
-        spec_graph(eng.executor, short, batch, [5, 6], torch.tensor([5, 6]))
+        DecodeRunner(agree, eng.runner.pools, MAX_LEN, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"), span=5)
+    # a graph step of another span cannot be handed to an MTP engine any more: its model runner
+    # builds the captured step, at span 1 + next_n, and runs every verify span through it
+    g = _engine(agree, 1, graph=True)
+    assert g.runner.span == g.runner.graph.span == g.runner.graph.static.span == 2
+    assert g.runner.decoder is g.runner.graph.static and eng.runner.decoder.span == 2
 
 
 @pytest.fixture(scope="module")
@@ -115,14 +113,15 @@ def graph_mtp_pair(ckpt):
 
 
 def test_a_follower_replays_graph_verify_steps(graph_mtp_pair, reference):
-    """A multi-rank instance's graph MTP step (LeaderExecutor / follower replay, world 1 models):
+    """A multi-rank instance's graph MTP step (LeaderRunner / follower, world 1 models):
     the verify spans go to the follower as one graph step with their spec_k, each rank makes its
     own rollbacks and keeps its own streams for the draft step, so the follower's pools, MTP rings
     included, equal the leader's after every step; a step holding a prefill chunk runs eager on
     both; the tokens are the eager next_n 0 engine's."""
     from rank_pair import replay_mtp_requests
-    spans, step = [], graph_mtp_pair[1].runner.step
-    graph_mtp_pair[1].runner.step = lambda rows, B, C: spans.append([len(r[0]) for r in rows]) or step(rows, B, C)
+    graph = graph_mtp_pair[1].runner.graph
+    spans, step = [], graph.step
+    graph.step = lambda rows, B, C: spans.append([len(r[0]) for r in rows]) or step(rows, B, C)
     replay_mtp_requests(graph_mtp_pair, reference)
     assert spans and max(max(s) for s in spans) == 4                # spans of 1 + next_n 3 on the follower
 
@@ -131,27 +130,32 @@ def test_span_rollback_restores_the_rejected_rows_of_each_settled_span(agree):
     """SpanRollback on its own: two requests' spans write every row they touch (as the graph step
     does); "a" keeps 1 of 4 tokens (its CSA close at L + 2 rejected): its rejected rows and its
     previous window come back, its accepted row keeps the new value; "b" ends unsettled (freed):
-    nothing of it is restored, and "a" is still restored when it settles after b's free."""
+    nothing of it is restored, and "a" is still restored when it settles after b's free (the
+    runner's ``draft`` settles what its ``DraftPlan.settle`` names, and drops the rollback)."""
     from engine.config import CSA_RATIO
-    from engine.core.spec_decode import SpanRollback
+    from engine.core.mtp_runner import SpanRollback
+    from engine.core.step import DraftPlan
     eng = _engine(agree, 3, graph=False)
-    cache = eng.cache
+    cache, pools = eng.cache, eng.runner.pools
     for sid in ("a", "b"):
-        eng.executor.allocate(sid, 140)
+        cache.allocate(sid, 140)
+    eng.runner.apply_ops(cache.take_ops())
     L, span, m = 129, 4, CSA_RATIO                      # positions 129 .. 132: 131 closes a CSA window
     slots = {sid: cache.seqs[sid].state_slot for sid in ("a", "b")}
-    kv, score = cache.comp_stacks["c4"][1]
+    kv, score = pools.comp_stacks["c4"][1]
     for t in (kv, score):
         t.normal_()
     before = kv.clone()
-    rb = SpanRollback(cache, [(sid, slots[sid], L, span) for sid in ("a", "b")])
+    rb = SpanRollback(pools, [(sid, slots[sid], L, span) for sid in ("a", "b")])
     rows = [(L + j) % m for j in range(span)]
     for sid in ("a", "b"):                              # the step writes its rows and the previous window
         kv[:, slots[sid], rows] = 7.0
         kv[:, slots[sid], m:2 * m] = 9.0
-    eng.executor.spans = rb
-    eng.executor.free("b")                              # ended before its settle: dropped
-    assert not rb.settle("b", 2) and rb.settle("a", 1)
+    eng.runner.spans = rb
+    cache.free("b")                                     # ended before its settle: not settled
+    eng.runner.apply_ops(cache.take_ops())
+    assert eng.runner.draft(DraftPlan(settle=[("a", 1)])) == []
+    assert eng.runner.spans is None and rb.kept == {"a": 1}          # b's span is never restored
     a = slots["a"]
     assert (kv[:, a, rows[0]] == 7.0).all()                                    # accepted: the step's row
     assert torch.equal(kv[:, a, rows[1:]], before[:, a, rows[1:]])             # rejected: restored

@@ -225,8 +225,8 @@ def test_the_lm_heads_last_slice_is_padded_to_ceil_v_over_s(ckpt):
 @pytest.mark.parametrize("dtype, cache", [("float32", BF16), ("bfloat16", BF16), ("bfloat16", A3),
                                           ("bfloat16", C8), ("float32", C8), ("bfloat16", ("hif8", "hif8"))])
 def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dtype, cache):
-    """A PagedCache holding exactly one request of ``tokens`` tokens, caches stored as ``cache``:
-    its tensors' bytes are ``pool_bytes`` and, minus the scratch part, the plan's per-request
+    """A LocalCache (accounting + PagedCache) holding exactly one request of ``tokens`` tokens,
+    caches stored as ``cache``: its tensors' bytes are ``pool_bytes`` and, minus the scratch part, the plan's per-request
     state, each part once (with next_n > 0 the MTP window ring lives in the ``win`` blocks: it is
     ``mtp_window``, not also in ``window``)."""
     import torch
@@ -234,13 +234,13 @@ def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dt
     from engine.cache_dtype import CacheDtype
     from engine.checkpoint.make_tiny import PRESETS
     from engine.core.block_manager import CacheConfig, Geometry, pool_bytes
-    from engine.core.kv_cache import PagedCache
+    from engine.core.kv_cache import LocalCache
     from engine.memory_sizes import Layout, pool_overheads, state_per_request
     args, dt, cd = ModelArgs.from_dict(PRESETS["flash"]), getattr(torch, dtype), CacheDtype(*cache)
     g = Geometry.of(args, 128, next_n)
     cfg = CacheConfig(128, 1, {"c4": g.blocks_needed("c4", tokens), "c128": g.blocks_needed("c128", tokens)}, next_n,
                       cd)
-    cache_ = PagedCache(args, cfg, dt)
+    cache_ = LocalCache(args, cfg, dt)
     cache_.allocate("r", tokens)
     assert all(n == 0 for n in cache_.num_free().values())        # the request holds every block
     allocated = sum(t.numel() * t.element_size() for t in cache_.tensors())
@@ -248,7 +248,7 @@ def test_state_per_request_is_what_the_engines_pools_allocate(tokens, next_n, dt
     plan, (scratch, _) = state_per_request(args, lay, tokens), pool_overheads(args, lay)
     assert allocated == pool_bytes(args, dt, cfg)
     assert allocated - scratch == sum(plan.values())
-    mtp_pools = sum(t.numel() * t.element_size() for rows in cache_.mtp_win for t in rows.parts)
+    mtp_pools = sum(t.numel() * t.element_size() for rows in cache_.paged.mtp_win for t in rows.parts)
     assert plan["mtp_window"] == mtp_pools // 2 and (mtp_pools > 0) == (next_n > 0)   # the request's ring + scratch
 
 

@@ -190,18 +190,20 @@ def test_a_context_parallel_first_chunk_is_not_cut_at_a_short_shared_prefix(mode
     """Where the first chunk of a long prompt runs context parallel (``cp_first_chunk``: 512
     here), the boundary at a short shared prefix (128) is not kept: it would cut that chunk to
     128 tokens and run the whole prompt without CP. Without CP it is kept."""
-    from engine.core.executor import Executor
+    from engine.core.model_runner import ModelRunner
 
-    class CPExecutor(Executor):
-        def cp_first_chunk(self) -> int:
-            return 512
+    class CPRunner(ModelRunner):
+        cp_first_chunk = 512
+
+    def cp_runner(model, pools, limits):
+        return CPRunner(model, pools, limits.max_model_len, limits.batch_size)
 
     rng, prompts = _conversations(model, 2, 200, seed=8)
     prompts = [p[:200] + [rng.randrange(model.args.vocab_size) for _ in range(700)] for p in prompts]
     p = SamplingParams(max_new_tokens=1, temperature=0)
     kept = {}
-    for name, ex in (("cp", CPExecutor), ("plain", None)):
-        eng = _engine(model, prefix_slots=4, max_prefill_tokens=1024, executor=ex)
+    for name, runner in (("cp", cp_runner), ("plain", None)):
+        eng = _engine(model, prefix_slots=4, max_prefill_tokens=1024, runner=runner)
         for q in prompts:
             eng.generate([q], p)
         kept[name] = sorted(e.num_tokens for e in eng.cache.prefix.entries.values())

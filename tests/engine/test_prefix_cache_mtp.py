@@ -38,9 +38,9 @@ def _prefill(eng, rid: str, prompt: list[int]):
     eng.add_request(rid, prompt, SamplingParams(max_new_tokens=1, temperature=0), hold_state=True)
     while eng.has_unfinished():
         eng.step()
-    seq, tensors = eng.export_state(rid)
+    seq, tensors = eng.pd.export_state(rid)
     out = (seq.num_cached, list(seq.output_ids), list(seq.draft_ids), tensors)
-    eng.release(rid)
+    eng.pd.release(rid)
     return out
 
 

@@ -56,13 +56,13 @@ def test_resumed_sample_split_pd_continues_exactly(model, p):
     pre.add_request("m", prompt, SamplingParams(**{**p.__dict__, "max_new_tokens": k + 1}), hold_state=True,
                     output_ids=full[:k])
     assert _run(pre, "m") == [full[k]]                    # the next token, sampled where undisturbed
-    seq, tensors = pre.export_state("m")
+    seq, tensors = pre.pd.export_state("m")
     assert seq.num_computed == len(prompt) + k
-    dec.reserve("m", prompt, p, output_ids=full[:k])
-    dec.load_state("m", tensors)
-    dec.commit("m", full[k])
+    dec.pd.reserve("m", prompt, p, output_ids=full[:k])
+    dec.pd.load_state("m", tensors)
+    dec.pd.commit("m", full[k])
     assert _run(dec, "m") == full[k + 1:]
-    assert pre.release("m") and pre.num_free_blocks() == pre.num_total_blocks()
+    assert pre.pd.release("m") and pre.num_free_blocks() == pre.num_total_blocks()
     assert dec.num_free_blocks() == dec.num_total_blocks()
 
 

@@ -153,7 +153,7 @@ def test_sections_are_frozen_and_validate_on_construction():
         SchedulerConfig(block_size=96)
     with pytest.raises(ConfigError, match=r"model_config\.custom_params\.moe_chunk_max_len"):
         ModelConfig(custom_params=CustomParams(moe_chunk_max_len=0))
-    # upstream's DSV4 check refuses ge_graph; we run it (engine.core.model_runner)
+    # upstream's DSV4 check refuses ge_graph; we run it (engine.core.graph_runner)
     assert RunConfig(model_config=ModelConfig(exe_mode="ge_graph")).model_config.exe_mode == "ge_graph"
     with pytest.raises(ConfigError, match=r"model_config\.custom_params\.kernel_config\.sas: unknown op"):
         CustomParams(kernel_config={"sas": "native"})

@@ -13,9 +13,10 @@ import torch
 from engine.checkpoint.loader import load_model
 from engine.core.block_manager import CacheConfig
 from engine.core.llm_engine import LLMEngine, RequestError
+from engine.core.model_runner import ModelRunner
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import SchedulerLimits
-from engine.core.spec_decode import SpecDecoder, SpecStats, num_accepted
+from engine.core.spec_decode import SpecStats, num_accepted
 from bench.census_count import SyncCounter
 from spec_util import assert_same_states, states_by_length
 
@@ -77,8 +78,8 @@ def test_preemption_with_drafts_keeps_tokens(model):
     prompts = _prompts(4, 60, 100, seed=7)
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     want = _engine(model, 0).generate(prompts, params)
-    eng = LLMEngine(model, CacheConfig(4, 4, {"c4": 22, "c128": 8}, next_n=3),
-                    SchedulerLimits(4, 128, 300, 0), (model.args.eos_token_id,))
+    eng = LLMEngine.of(model, CacheConfig(4, 4, {"c4": 22, "c128": 8}, next_n=3),
+                       SchedulerLimits(4, 128, 300, 0), (model.args.eos_token_id,))
     got = eng.generate(prompts, params)
     assert [s.output_ids for s in got] == [s.output_ids for s in want]
     assert eng.scheduler.num_preemptions > 0 and any(s.num_preemptions for s in got)
@@ -98,7 +99,7 @@ def test_a_draft_step_copies_its_drafts_to_the_host_once(model):
         while eng.has_unfinished():
             eng.step()
             steps += 1
-    sites = {site: n for (_, site), n in c.sites.items() if site.startswith("engine/core/spec_decode.py")}
+    sites = {site: n for (_, site), n in c.sites.items() if site.startswith("engine/core/mtp_runner.py")}
     assert len(sites) == 1 and 0 < sum(sites.values()) <= steps, (sites, steps)
     assert eng.spec.stats.num_draft_tokens > eng.spec.stats.num_drafts > 0        # several drafts per step
 
@@ -119,11 +120,14 @@ def test_state_after_rejected_drafts_is_byte_identical(model):
 
 def test_mtp_pools_only_with_next_n(model):
     e0, e3 = _engine(model, 0), _engine(model, 3)
-    assert e0.cache.mtp_win == [] and e0.spec is None
-    assert len(e3.cache.mtp_win) == 1 and e3.cache.mtp_win[0].num_rows == e3.cache.win[0].num_rows
+    assert e0.runner.pools.mtp_win == [] and e0.spec is None
+    p3 = e3.runner.pools
+    assert len(p3.mtp_win) == 1 and p3.mtp_win[0].num_rows == p3.win[0].num_rows
     assert e3.cache.geometry.ring_len >= model.args.sliding_window + 3
+    # the MTP layer is the model runner's to check (SpecDecoder is torch-free policy)
     with pytest.raises(ValueError, match="MTP layer"):
-        SpecDecoder(SimpleNamespace(model=SimpleNamespace(mtp=torch.nn.ModuleList())), 1)
+        ModelRunner(SimpleNamespace(mtp=torch.nn.ModuleList()), SimpleNamespace(config=SimpleNamespace(next_n=1)),
+                    64, 1)
 
 
 def test_abort_and_limits_with_drafts(model):
@@ -152,12 +156,12 @@ def test_abort_and_limits_with_drafts(model):
     assert 40 + len(done["b"]) == 64 and done["b.reason"] == "length"        # the context limit
     assert done["c.reason"] == "abort"
     assert eng.num_free_blocks() == eng.num_total_blocks()
-    eng.reserve("d", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=1))
+    eng.pd.reserve("d", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=1))
     with pytest.raises(RequestError, match="draft_ids"):
-        eng.commit("d", 9, [1, 2, 3, 4])
+        eng.pd.commit("d", 9, [1, 2, 3, 4])
     with pytest.raises(RequestError, match="draft_ids"):
-        eng.commit("d", 9, [-1])
-    assert eng.unreserve("d") and eng.num_free_blocks() == eng.num_total_blocks()
+        eng.pd.commit("d", 9, [-1])
+    assert eng.pd.unreserve("d") and eng.num_free_blocks() == eng.num_total_blocks()
 
 
 def test_emitted_tokens_follow_the_target_distribution(model):

@@ -160,34 +160,46 @@ def test_a_held_request_drafting_before_its_first_sample_keeps_its_prompt_state(
     assert eng.seqs["r"].num_computed == 64 and len(eng.seqs["r"].draft_ids) == 3
     while eng.has_unfinished():
         eng.step()
-    seq, _ = eng.export_state("r")
+    seq, _ = eng.pd.export_state("r")
     assert seq.num_computed == 65 and len(seq.output_ids) == 1
 
 
-def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeypatch):
+def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model):
     """The verify spans of all requests (1 + next_n rows each) and the MTP layer's catch-up and
-    chained drafts go through the batched decode ops (``DecodeSpans`` / ``DecodeRows``), and give,
-    id for id and logprob for logprob, what the per-sequence path gives (which the tests above
-    hold to next_n 0's tokens and states)."""
-    from engine.core import batched_decode
+    chained drafts go through the batched decode step (``StaticDecoder.run`` / ``.mtp``, eager),
+    and give, id for id and logprob for logprob, what the same step gives run one sequence at a
+    time (which the tests above hold to next_n 0's tokens and states)."""
     params = [SamplingParams(max_new_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i, logprobs=2,
                              ignore_eos=True) for i in range(len(PROMPTS))]
-    spans, rows, build = [], [], batched_decode.DecodeSpans.build
+    spans, rows = [], []
     per_sequence = False
 
-    def spy(*a, **kw):
-        ctx = None if per_sequence else build(*a, **kw)
-        if isinstance(ctx, batched_decode.DecodeSpans):
-            spans.append(max(len(w) for w in ctx.where))
-        elif ctx is not None:
-            rows.append(len(ctx.seq))
-        return ctx
-
-    monkeypatch.setattr(batched_decode.DecodeSpans, "build", spy)
+    def cat(parts):
+        return tuple(torch.cat(p) for p in zip(*parts)) if isinstance(parts[0], tuple) else torch.cat(parts)
 
     def run():
         eng = LLMEngine.build(model, block_size=16, batch_size=4, max_prefill_tokens=64, max_model_len=256,
                               num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=3)
+        r, dec = eng.runner, eng.runner.decoder
+        decode, decode_rows, mtp = r.decode, dec.run, dec.mtp
+
+        def spy_decode(step_rows, sel, every=None):      # the runner's verify spans of one step
+            spans.append(sum(1 for i in sel if step_rows[i].num_drafts))
+            return decode(step_rows, sel, every)
+
+        def spy_run(step):
+            return cat([decode_rows([x]) for x in step]) if per_sequence else decode_rows(step)
+
+        def spy_mtp(X, tok, mrows, layer=0):
+            rows.append(len(mrows))
+            if not per_sequence:
+                return mtp(X, tok, mrows, layer)
+            offs = [0]
+            for _, n, _ in mrows:
+                offs.append(offs[-1] + n)
+            return cat([mtp(X[o:e], tok[o:e], [m], layer) for o, e, m in zip(offs, offs[1:], mrows)])
+
+        r.decode, dec.run, dec.mtp = spy_decode, spy_run, spy_mtp
         out = eng.generate(PROMPTS, params)
         assert eng.num_free_blocks() == eng.num_total_blocks()
         return [(s.output_ids, [(x.logprob, x.top_logprobs) for x in s.logprobs]) for s in out], eng
@@ -203,16 +215,17 @@ def test_verify_spans_run_batched_and_equal_the_per_sequence_path(model, monkeyp
 def test_a_request_finishing_inside_an_accepted_run_is_not_settled_after_its_free(model):
     """Accepted drafts end a request (max_new_tokens reached inside the kept run): its state is
     freed by the finish, so no rank holds it (under attention DP ``rank_of`` would raise) and the
-    executor is never asked to roll it back; the outputs are next_n 0's."""
+    model runner is never asked to roll it back (``DraftPlan.settle``); the outputs are next_n 0's."""
     eng = LLMEngine.build(model, block_size=16, batch_size=4, max_prefill_tokens=64, max_model_len=256,
                           num_kv_blocks=40, num_reserved_decode_tokens=0, next_n=3)
-    settled, settle = [], eng.executor.settle
+    settled, draft = [], eng.runner.draft
 
-    def checked(seq_id, kept):
-        assert seq_id in eng.cache.seqs, f"settle of {seq_id} after its state was freed"
-        settled.append(seq_id)
-        settle(seq_id, kept)
-    eng.executor.settle = checked
+    def checked(plan):
+        for seq_id, kept in plan.settle:
+            assert seq_id in eng.cache.seqs, f"settle of {seq_id} after its state was freed"
+            settled.append(seq_id)
+        return draft(plan)
+    eng.runner.draft = checked
     params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
     got = eng.generate(PROMPTS, params)
     assert [s.output_ids for s in got] == _run(model, 0, params)[0]

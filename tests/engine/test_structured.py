@@ -119,8 +119,8 @@ def test_preemption_and_a_migrated_stream_continue_the_grammar(model, ckpt):
     params = [_params(JSON_TAG, i) for i in range(4)]
     ref = [s.output_ids for s in _engine(model, ckpt).generate([PROMPT] * 4, params)]
     # block size 4, 8 CSA blocks: the pool holds 2 of these requests at full length (~58 tokens)
-    tight = LLMEngine(model, CacheConfig(4, 4, {"c4": C4_BLOCKS, "c128": 2}), SchedulerLimits(4, 512, 64, 0),
-                      (model.args.eos_token_id,))
+    tight = LLMEngine.of(model, CacheConfig(4, 4, {"c4": C4_BLOCKS, "c128": 2}), SchedulerLimits(4, 512, 64, 0),
+                         (model.args.eos_token_id,))
     tight.grammar = GrammarBackend(ckpt, model.args.vocab_size, tuple(tight.eos_ids))
     got = tight.generate([PROMPT] * 4, params)
     assert [s.output_ids for s in got] == ref and sum(s.num_preemptions for s in got) > 0
@@ -137,10 +137,10 @@ def test_a_bad_constraint_is_refused_naming_the_field(model, ckpt, tok):
     with pytest.raises(RequestError, match=r"^structured: .*Regex parsing error"):
         eng.add_request("a", PROMPT, SamplingParams(structured=tag({"type": "regex", "pattern": "a("})))
     with pytest.raises(RequestError, match=r"^output_ids: token .* not allowed"):
-        eng.reserve("b", PROMPT, SamplingParams(seed=1, structured=REGEX_TAG), tok.encode("123"))
+        eng.pd.reserve("b", PROMPT, SamplingParams(seed=1, structured=REGEX_TAG), tok.encode("123"))
     bare = LLMEngine.build(model, block_size=16, batch_size=2, max_model_len=256, num_kv_blocks=40)
     with pytest.raises(RequestError, match="no tokenizer"):
         bare.add_request("c", PROMPT, SamplingParams(structured=REGEX_TAG))
-    assert not eng.seqs and not eng.reserved and eng.num_free_blocks() == eng.num_total_blocks()
+    assert not eng.seqs and not eng.pd.reserved and eng.num_free_blocks() == eng.num_total_blocks()
     with pytest.raises(ValueError, match="structured"):
         SamplingParams(structured="not json")

@@ -18,7 +18,7 @@ def exported(tiny_ckpt):
     eng.add_request("r", list(range(2, 135)), SamplingParams(max_new_tokens=1, temperature=0), hold_state=True)
     while eng.has_unfinished():
         eng.step()
-    seq, tensors = eng.export_state("r")
+    seq, tensors = eng.pd.export_state("r")
     fp = model_fingerprint(model.args.to_dict(), model.dtype, {"block_size": 16})
     return fp, seq, tensors
 

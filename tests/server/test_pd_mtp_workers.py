@@ -36,14 +36,15 @@ def _engine(ckpt):
 
 
 def record_drafts(engine, log: dict) -> None:
-    """Wrap ``engine.spec.accept`` (instance attribute, this test only) to append each verify
-    step's drafts to ``log[request id]``; behaviour unchanged."""
-    accept = engine.spec.accept
+    """Wrap ``engine.spec.settle`` (instance attribute, this test only: called once per sampled
+    row with the drafts that row verified) to append each verify step's drafts to
+    ``log[request id]``; behaviour unchanged."""
+    settle = engine.spec.settle
 
-    def recording(seq, sampled):
+    def recording(seq, kept):
         log[seq.seq_id].append(list(seq.draft_ids[: seq.spec_k]))
-        return accept(seq, sampled)
-    engine.spec.accept = recording
+        return settle(seq, kept)
+    engine.spec.settle = recording
 
 
 def test_dist_pd_decode_verifies_the_in_process_drafts(ckpt):
@@ -76,11 +77,11 @@ def test_dist_pd_decode_verifies_the_in_process_drafts(ckpt):
         assert decode.engine.spec.stats == ref.spec.stats and ref.spec.stats.num_drafts > 0
         end = time.monotonic() + 10
         while time.monotonic() < end and not all(
-                e.num_free_blocks() == e.num_total_blocks() and not e.reserved and not e.held and not e.has_unfinished()
-                for e in (prefill.engine, decode.engine)):
+                e.num_free_blocks() == e.num_total_blocks() and not e.pd.reserved and not e.pd.held
+                and not e.has_unfinished() for e in (prefill.engine, decode.engine)):
             time.sleep(0.05)
         for e in (prefill.engine, decode.engine):
-            assert e.num_free_blocks() == e.num_total_blocks() and not e.reserved and not e.held
+            assert e.num_free_blocks() == e.num_total_blocks() and not e.pd.reserved and not e.pd.held
         assert not prefill.jobs and not decode.owners and not decode.table.pending
     finally:
         for w in (prefill, decode):

@@ -49,13 +49,13 @@ def test_pd_split_gives_the_same_tokens(model, length):
         p_eng.add_request("r", prompt, SamplingParams(**{**params.__dict__, "max_new_tokens": 1}), hold_state=True)
         while p_eng.has_unfinished():
             p_eng.step()
-        seq, tensors = p_eng.export_state("r")
+        seq, tensors = p_eng.pd.export_state("r")
         shapes = {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()}
-        assert shapes == expected_shapes(p_eng.cache, length)
+        assert shapes == expected_shapes(p_eng.runner.pools, length)
         assert sum(t.numel() * t.element_size() for t in tensors.values()) == _payload_bytes_formula(model.args, length)
-        assert p_eng.release("r") and p_eng.num_free_blocks() == p_eng.num_total_blocks()
-        d_eng.add_prefilled("r", prompt, seq.output_ids[0], SamplingParams(**{**params.__dict__, "seed": seq.params.seed}),
-                            tensors)
+        assert p_eng.pd.release("r") and p_eng.num_free_blocks() == p_eng.num_total_blocks()
+        d_eng.pd.add_prefilled("r", prompt, seq.output_ids[0],
+                               SamplingParams(**{**params.__dict__, "seed": seq.params.seed}), tensors)
         out = [seq.output_ids[0]]
         while d_eng.has_unfinished():
             out += [t for o in d_eng.step() for t in o.new_token_ids]
@@ -69,21 +69,21 @@ def test_import_refuses_bad_state_and_holds_nothing(model):
     p_eng.add_request("r", list(range(2, 140)), params, hold_state=True)
     while p_eng.has_unfinished():
         p_eng.step()
-    seq, tensors = p_eng.export_state("r")
+    seq, tensors = p_eng.pd.export_state("r")
     first = seq.output_ids[0]
     bad = dict(tensors)
     bad["layers.2.cmp_kv"] = bad["layers.2.cmp_kv"][:-1]
     with pytest.raises(RequestError, match="^state: .*layers.2.cmp_kv"):
-        d_eng.add_prefilled("r", seq.prompt_ids, first, params, bad)
+        d_eng.pd.add_prefilled("r", seq.prompt_ids, first, params, bad)
     missing = {k: v for k, v in tensors.items() if k != "layers.0.win_kv"}
     with pytest.raises(RequestError, match="^state: .*missing"):
-        d_eng.add_prefilled("r", seq.prompt_ids, first, params, missing)
+        d_eng.pd.add_prefilled("r", seq.prompt_ids, first, params, missing)
     with pytest.raises(RequestError, match="^sampling_params.seed"):
-        d_eng.add_prefilled("r", seq.prompt_ids, first, SamplingParams(max_new_tokens=4), tensors)
+        d_eng.pd.add_prefilled("r", seq.prompt_ids, first, SamplingParams(max_new_tokens=4), tensors)
     assert d_eng.num_free_blocks() == d_eng.num_total_blocks() and not d_eng.seqs
-    d_eng.add_prefilled("r", seq.prompt_ids, first, SamplingParams(max_new_tokens=4, seed=1), tensors)
+    d_eng.pd.add_prefilled("r", seq.prompt_ids, first, SamplingParams(max_new_tokens=4, seed=1), tensors)
     with pytest.raises(CacheFullError, match="batch full"):
-        d_eng.add_prefilled("r2", seq.prompt_ids, first, SamplingParams(max_new_tokens=4, seed=1), tensors)
+        d_eng.pd.add_prefilled("r2", seq.prompt_ids, first, SamplingParams(max_new_tokens=4, seed=1), tensors)
     assert d_eng.abort("r") and p_eng.abort("r")             # abort releases held prefill state too
     d_eng.step()
     assert d_eng.num_free_blocks() == d_eng.num_total_blocks()

@@ -68,7 +68,7 @@ class PD:
 
     def idle(self) -> bool:
         e = self.decode.engine
-        return e.num_free_blocks() == e.num_total_blocks() and not e.reserved and not e.has_unfinished()
+        return e.num_free_blocks() == e.num_total_blocks() and not e.pd.reserved and not e.has_unfinished()
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -114,8 +114,8 @@ def _state(engine, prompt):
     engine.add_request(rid, prompt, SamplingParams(max_new_tokens=1, temperature=0.0), hold_state=True)
     while engine.has_unfinished():
         engine.step()
-    _, t = engine.export_state(rid)
-    engine.release(rid)
+    _, t = engine.pd.export_state(rid)
+    engine.pd.release(rid)
     return t
 
 
@@ -169,7 +169,7 @@ def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference,
         assert err["rid"] == "bad-1" and "checksum" in err["message"]
         nack = _reply(sender)
         assert nack["op"] == "nack" and nack["transfer_id"] == "bad-1" and nack["cause"] == "checksum"
-        assert e.num_free_blocks() == total and not e.reserved
+        assert e.num_free_blocks() == total and not e.pd.reserved
 
         # 2. fencing: a late (valid) write for the failed id never lands
         before = e.num_free_blocks()
@@ -186,7 +186,7 @@ def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference,
         sender.send(dest, encode_layer("ab-1", pd.decode.fingerprint, len(prompt), 0,
                                        {k: v for k, v in state.items() if k.startswith("layers.0.")}))
         time.sleep(0.3)
-        assert e.num_free_blocks() == total and not e.reserved
+        assert e.num_free_blocks() == total and not e.pd.reserved
 
         # 4. a reservation its gateway renews outlives its lease (a prefill may queue or compute for
         # minutes); renewals from another connection do not count; once they stop, the lease frees
@@ -199,11 +199,11 @@ def test_corrupted_late_and_abandoned_transfers_free_everything(ckpt, reference,
             gw.send({"op": "renew", "rids": ["lease-1", "no-such-id"]})
             other.send({"op": "renew", "rids": ["lease-1"]})
             time.sleep(0.25)
-        assert "lease-1" in pd.decode.table.pending and e.reserved
+        assert "lease-1" in pd.decode.table.pending and e.pd.reserved
         t0 = time.monotonic()
         err = gw.recv(op="error", timeout_s=5)
         assert err["rid"] == "lease-1" and err["status"] == 504 and time.monotonic() - t0 < 1.5
-        assert e.num_free_blocks() == total and not e.reserved
+        assert e.num_free_blocks() == total and not e.pd.reserved
         other.close()
 
         # 5. transfer ids are never reused

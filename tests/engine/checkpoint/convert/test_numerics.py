@@ -15,9 +15,8 @@ from engine.config import ModelArgs
 from engine.checkpoint.convert_config import BACKUP, convert_config
 from engine.checkpoint.convert_config import main as config_main
 from engine.core.llm_engine import LLMEngine
-from engine.platform import detect
 from engine.checkpoint.qscheme import QUANT_TYPES
-from engine.core.model_runner import DecodeRunner, ExecConfig
+from engine.core.graph_runner import ExecConfig
 from engine.core.sampling_params import SamplingParams
 from engine.checkpoint.formats import dequant_linear
 from engine.checkpoint.loader import load_model
@@ -139,10 +138,10 @@ def test_quantised_model_generates_batch_and_graph_invariant(qt, converted):
 
     def engine(runner: bool):
         e = LLMEngine.build(m, block_size=16, batch_size=4, max_prefill_tokens=128, max_model_len=512,
-                            num_kv_blocks=64, num_reserved_decode_tokens=0)
+                            num_kv_blocks=64, num_reserved_decode_tokens=0,
+                            graph=ExecConfig(exe_mode="npugraph_ex") if runner else None)
         if runner:
-            e.runner = DecodeRunner(m, e.cache, 512, 4, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-            e.runner.use_eager()                                                # static step, uncompiled
+            e.runner.graph.use_eager()                                          # static step, uncompiled
         return e
 
     batched = [s.output_ids for s in engine(False).generate(prompts, params)]
@@ -219,16 +218,14 @@ def test_compiled_decode_step_on_a_converted_checkpoint(converted):
 
     def engine(runner: bool):
         # both prompts prefill in one step, so every decode step has 2 rows: one compile (B 2, C 256)
-        e = LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=256,
-                            num_kv_blocks=32, num_reserved_decode_tokens=0)
-        if runner:
-            e.runner = DecodeRunner(m, e.cache, 256, 2, detect("cpu"), ExecConfig(exe_mode="npugraph_ex"))
-        return e
+        return LLMEngine.build(m, block_size=16, batch_size=2, max_prefill_tokens=256, max_model_len=256,
+                               num_kv_blocks=32, num_reserved_decode_tokens=0,
+                               graph=ExecConfig(exe_mode="npugraph_ex") if runner else None)
 
     eager = engine(False).generate(prompts, params)
     g = engine(True)
     graph = g.generate(prompts, params)
-    assert list(g.runner._fns) == [(2, 256)]
+    assert list(g.runner.graph._fns) == [(2, 256)]
     assert [s.output_ids for s in eager] == [s.output_ids for s in graph]
     worst = max(abs(p.logprob - q.logprob) for a, b in zip(eager, graph) for p, q in zip(a.logprobs, b.logprobs))
     # the compiled step sums the same fp32 terms in another order; an activation quantiser (HiF8 /
