@@ -11,7 +11,7 @@ Run by ``deploy/device-check``; on a CUDA machine it finishes in a few minutes.
 On CUDA it then times the FP8 block-scaled GEMM (``engine.ops.cuda``) against the reference op at
 real Flash linear shapes.
 
-Modes: ``eager`` (Transformer.forward_batch), ``static`` (the fixed-shape step run eagerly: the
+Modes: ``eager`` (the model runner's eager decode step, exact per row), ``static`` (the fixed-shape step run eagerly: the
 graph mode's math), ``graph`` (CUDA graphs / npugraph_ex / torch.compile on CPU), and
 ``graph+streams`` (graph with enable_multi_streams). ``--next-n`` > 0 runs every mode with MTP
 (the graph modes verify the spans of ``1 + next_n`` tokens in the graph step; a step time is then
@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from engine.core.llm_engine import LLMEngine  # noqa: E402
 from engine.ops import ops_for  # noqa: E402
 from engine.platform import detect  # noqa: E402
-from engine.core.model_runner import DecodeRunner, ExecConfig  # noqa: E402
+from engine.core.graph_runner import ExecConfig  # noqa: E402
 from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.checkpoint.make_tiny import make_tiny  # noqa: E402
 from engine.checkpoint.loader import load_model  # noqa: E402
@@ -42,14 +42,14 @@ MAX_LEN = 2048
 
 
 def run_mode(model, plat, mode: str, batch: int, prompts, steps: int, next_n: int = 0):
+    graph = None if mode == "eager" else ExecConfig(exe_mode="npugraph_ex", multi_streams=mode.endswith("+streams"))
     eng = LLMEngine.build(model, block_size=64, batch_size=batch, max_prefill_tokens=4096, max_model_len=MAX_LEN,
-                          num_kv_blocks=64 * batch, num_reserved_decode_tokens=0, next_n=next_n)
+                          num_kv_blocks=64 * batch, num_reserved_decode_tokens=0, next_n=next_n, platform=plat,
+                          graph=graph)
     warm = 0.0
-    if mode != "eager":
-        cfg = ExecConfig(exe_mode="npugraph_ex", multi_streams=mode.endswith("+streams"))
-        eng.runner = DecodeRunner(model, eng.cache, MAX_LEN, batch, plat, cfg, span=1 + next_n)
+    if graph is not None:
         if mode == "static":
-            eng.runner.use_eager()
+            eng.runner.graph.use_eager()
         t = time.perf_counter()
         eng.runner.warmup()
         warm = time.perf_counter() - t

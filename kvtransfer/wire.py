@@ -68,7 +68,7 @@ KINDS = {"state": (("num_tokens", int), ("first_token", int)),
 def encode_state(transfer_id: str, fingerprint: str, num_tokens: int, first_token: int,
                  tensors: dict[str, torch.Tensor], draft_ids: list[int] | None = None) -> list[bytes | memoryview]:
     """The whole state in one message: header frame + one zero-copy frame per tensor. With MTP
-    ``tensors`` include the ``mtp.*`` rows (``LLMEngine.export_state``) and ``draft_ids`` the
+    ``tensors`` include the ``mtp.*`` rows (``PDState.export_state``, ``engine/core/pd.py``) and ``draft_ids`` the
     drafts after token #1 (None: no ``draft_ids`` key). Raises ValueError: over ``MAX_DRAFTS``."""
     return _encode("state", transfer_id, fingerprint, tensors, num_tokens=num_tokens, first_token=first_token,
                    **_drafts(None, draft_ids))

@@ -61,10 +61,11 @@ def test_a_decode_with_other_weights_is_never_chosen(ckpt, reference, tmp_path):
     assert (other / "config.json").read_bytes() == (Path(ckpt) / "config.json").read_bytes()
     pd = start_pd(ckpt, tmp_path / "pd.log", num_decode=2, instance_args={"decode0": ["--model", str(other)]})
     try:
+        # the gateway is up once one pair is: the other decode's handshake may not be in yet
+        h = wait_incompatible_pair(pd)
         hs = {n: pd.ready(n)["handshake"] for n in ("prefill0", "decode0", "decode1")}
         assert hs["decode1"]["layout"]["weights"] == weights_digest(ckpt).value == hs["prefill0"]["layout"]["weights"]
         assert hs["decode0"]["layout"]["weights"] == weights_digest(other).value != weights_digest(ckpt).value
-        h = wait_incompatible_pair(pd)
         assert h["healthy"] and h["compatible_pairs"] == 1
         [bad] = h["incompatible_pairs"]
         cmd = pd.cmds["decode0"]
