@@ -27,7 +27,7 @@ from engine.core.request import (FinishReason, RequestError, RequestOutput, Sequ
 from engine.core.sampling_params import Sampled, SamplingParams
 from engine.core.scheduler import ScheduledBatch, Scheduler, SchedulerLimits
 from engine.core.spec_decode import SpecDecoder
-from engine.core.step import StepPlan, StepResult
+from engine.core.step import RowResult, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request wherever it is (queued, prefilling, decoding, held, reserved); frees
-        its state at once. Returns False if it is unknown or already finished. Its final output
-        (``finish_reason`` abort) comes from the next ``step``."""
+        its state at once. Returns False if it is unknown or already finished. A request of the
+        engine's batch or queue gets its final output (``finish_reason`` abort) from the next
+        ``step``; a held or reserved one (P/D roles: the worker answers for it) gets none."""
         if self.pd.release(request_id) or self.pd.unreserve(request_id):
             return True
         seq = self.seqs.get(request_id)
@@ -254,11 +255,16 @@ class LLMEngine:
         for s, r in zip(batch.seqs, plan.rows):
             s.num_computed += r.num_tokens - r.num_drafts          # drafts count once accepted
         sampling = [s for s, r in zip(batch.seqs, plan.rows) if r.samples]
+        if result.failed is None and (bad := _mismatch(sampling, result.rows)):
+            log.error("model runner: %s; the step's sampled requests are aborted", bad)
+            result = StepResult(failed="sample", error=RuntimeError(bad))
         if result.failed is not None:
             for s in sampling:
                 self._finish(s, FinishReason.ABORT)
         outs, settle, now = [], [], time.monotonic()
         for s, rr in zip(sampling, result.rows):
+            if s.seq_id not in self.seqs:        # finished during the step (aborted from its layer hook)
+                continue
             if not rr.finite:
                 log.error("request %s: non-finite logits at position %d; aborted", s.seq_id, s.num_tokens)
                 self._finish(s, FinishReason.ABORT)
@@ -346,3 +352,16 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [seqs[r] for r in ids]
+
+
+def _mismatch(sampling: list[Sequence], rows: list[RowResult]) -> str | None:
+    """What is wrong with a runner's sampled rows for ``sampling`` (None: one row per request,
+    in order, each with 1 + drafts samples at most and one at least)."""
+    if len(rows) != len(sampling):
+        return f"{len(rows)} sampled rows for {len(sampling)} sampling requests"
+    for s, rr in zip(sampling, rows):
+        if rr.req_id != s.seq_id:
+            return f"a sampled row of {rr.req_id!r} where {s.seq_id!r} was planned"
+        if rr.finite and not (1 <= len(rr.sampled) and 0 <= rr.accepted < len(rr.sampled)):
+            return f"request {s.seq_id!r}: {len(rr.sampled)} samples accepting {rr.accepted} drafts"
+    return None

@@ -41,6 +41,7 @@ class PDState:
         self._check_new, self._matcher, self._join = check_new, matcher, join
         self.held: dict[str, Sequence] = {}      # prefill: finished, state kept for export
         self.reserved: dict[str, Sequence] = {}  # decode: state slots taken, state not yet loaded
+        self.loaded: dict[str, set[int]] = {}    # reserved -> the trunk layers loaded so far
 
     def in_use(self, rid: str) -> bool:
         return rid in self.held or rid in self.reserved
@@ -112,34 +113,47 @@ class PDState:
         """
         seq = self.reserved[request_id]
         try:
+            if not isinstance(tensors, dict) or not all(isinstance(k, str) for k in tensors):
+                raise ValueError(f"a {type(tensors).__name__}, expected a dict of name -> tensor")
             if not self.next_n and any(k.startswith("mtp.") for k in tensors):
                 mtp = sorted(k for k in tensors if k.startswith("mtp."))
                 raise ValueError(f"MTP state {mtp[:2]} for an engine without MTP (next_n 0)")
+            if layers is not None and any(type(l) is not int for l in layers):
+                raise ValueError(f"layers {list(layers)[:4]!r}: not layer numbers")
             self.runner.load_state(self.cache.seqs[request_id], seq.num_computed, tensors, layers,
                                    self.cache.take_ops(), self.cache.rank_of(request_id))
         except ValueError as e:
             raise RequestError(f"state: {e}") from None
+        if any(not k.startswith("mtp.") for k in tensors) or not tensors:
+            self.loaded.setdefault(request_id, set()).update(
+                range(self.cache.geometry.num_layers) if layers is None else layers)
 
     def commit(self, request_id: str, first_token: int, draft_ids: list[int] = ()) -> None:
         """A reserved request whose whole state is loaded joins the running batch with token #1
         (and, with MTP, the drafts prefill made after it, its MTP rings loaded).
 
-        Raises KeyError (not reserved), RequestError (bad token or drafts; the reservation is kept).
+        Raises KeyError (not reserved), RequestError (bad token or drafts, or a trunk layer not
+        loaded; the reservation is kept).
         """
         seq = self.reserved[request_id]
         V = self.vocab_size
-        if not isinstance(first_token, int) or not 0 <= first_token < V:
+        if type(first_token) is not int or not 0 <= first_token < V:
             raise RequestError(f"first_token: {first_token!r} is not a token id")
         if draft_ids and (not self.next_n or len(draft_ids) > self.next_n
-                          or any(not isinstance(t, int) or not 0 <= t < V for t in draft_ids)):
+                          or any(type(t) is not int or not 0 <= t < V for t in draft_ids)):
             raise RequestError(f"draft_ids: {list(draft_ids)[:8]!r} are not up to next_n "
                                f"{self.next_n} token ids")
+        missing = sorted(set(range(self.cache.geometry.num_layers)) - self.loaded.get(request_id, set()))
+        if missing:
+            raise RequestError(f"state: layers {missing[:8]} of {self.cache.geometry.num_layers} not loaded")
         del self.reserved[request_id]
+        self.loaded.pop(request_id, None)
         self.scheduler.num_reserved = len(self.reserved)
         self._join(seq, first_token, list(draft_ids))
 
     def unreserve(self, request_id: str) -> bool:
         """Drop a reservation and free its slots. False if there is none."""
+        self.loaded.pop(request_id, None)
         if self.reserved.pop(request_id, None) is None:
             return False
         self.scheduler.num_reserved = len(self.reserved)

@@ -116,7 +116,8 @@ def check_state_tensors(cache, num_tokens: int, tensors: dict[str, torch.Tensor]
     and deduplicated (None: all).
 
     Raises:
-        ValueError: a layer out of range, a missing / extra tensor, or another shape / dtype.
+        ValueError: a layer out of range, a missing / extra tensor, a value that is not a tensor,
+            or another shape / dtype.
     """
     if layers is not None:
         layers = sorted(set(layers))
@@ -128,6 +129,8 @@ def check_state_tensors(cache, num_tokens: int, tensors: dict[str, torch.Tensor]
         raise ValueError(f"state for L={num_tokens}: missing {missing[:4]}, unexpected {extra[:4]}")
     for k, (shape, dtype) in want.items():
         t = tensors[k]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state tensor {k}: a {type(t).__name__}, not a torch.Tensor")
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"state tensor {k}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     return layers
@@ -205,6 +208,8 @@ def load_mtp_state_tensors(cache: "PagedCache", held: SeqBlocks | None, num_toke
         raise ValueError(f"MTP state for L={num_tokens}: expected {sorted(want)}, got {sorted(tensors)}")
     for name, (shape, dtype) in want.items():
         t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state tensor {name}: a {type(t).__name__}, not a torch.Tensor")
         if tuple(t.shape) != shape or t.dtype != dtype:
             raise ValueError(f"state tensor {name}: expected {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
     if check_only:

@@ -79,7 +79,36 @@ class ScheduledRow:
 
     @classmethod
     def from_wire(cls, v: list) -> "ScheduledRow":
-        return cls(*v[:7], rank=v[7])
+        """Raises ValueError naming the field that is not what ``to_wire`` writes."""
+        if not isinstance(v, (list, tuple)) or len(v) != 8:
+            raise ValueError(f"plan row: {type(v).__name__} of {len(v) if hasattr(v, '__len__') else '?'} "
+                             "fields, expected a list of 8")
+        req_id, start, tokens, num_drafts, samples, slot, tables, rank = v
+        if not isinstance(req_id, str):
+            raise ValueError(f"plan row req_id: {req_id!r} is not a string")
+        for name, x in (("start", start), ("state_slot", slot), ("rank", rank), ("num_drafts", num_drafts)):
+            _check_count(f"plan row {req_id!r} {name}", x)
+        _check_ids(f"plan row {req_id!r} token_ids", tokens)
+        if not tokens or num_drafts >= len(tokens):
+            raise ValueError(f"plan row {req_id!r}: {num_drafts} drafts in {len(tokens)} tokens")
+        if not isinstance(samples, bool):
+            raise ValueError(f"plan row {req_id!r} samples: {samples!r} is not a bool")
+        if not isinstance(tables, dict) or not all(isinstance(k, str) for k in tables):
+            raise ValueError(f"plan row {req_id!r} block_tables: not a dict of pool -> block ids")
+        for pool, ids in tables.items():
+            _check_ids(f"plan row {req_id!r} block_tables[{pool!r}]", ids)
+        return cls(req_id, start, tokens, num_drafts, samples, slot, tables, rank=rank)
+
+
+def _check_count(name: str, x) -> None:
+    if type(x) is not int or x < 0:
+        raise ValueError(f"{name}: {x!r} is not an int >= 0")
+
+
+def _check_ids(name: str, ids) -> None:
+    """A list of ints >= 0 (token ids, block ids); one pass of C-level calls, not a Python loop."""
+    if not isinstance(ids, list) or (ids and (not set(map(type, ids)) <= {int} or min(ids) < 0)):
+        raise ValueError(f"{name}: not a list of ints >= 0")
 
 
 @dataclass
@@ -110,12 +139,33 @@ class StepPlan:
 
     @classmethod
     def from_wire(cls, d: dict) -> "StepPlan":
+        """Raises ValueError naming the field that is not what ``to_wire`` writes."""
+        if not isinstance(d, dict) or set(d) != {"rows", "ops", "eager"}:
+            raise ValueError(f"plan: expected a dict of rows, ops, eager; got {sorted(d) if isinstance(d, dict) else d!r}")
+        if not isinstance(d["rows"], list) or not isinstance(d["eager"], bool):
+            raise ValueError("plan: rows must be a list and eager a bool")
         return cls([ScheduledRow.from_wire(r) for r in d["rows"]], wire_ops(d["ops"]), eager=d["eager"])
 
 
+POOL_OP_ARITY = {"reset": 1, "copy": 5, "carry_save": 3, "carry_bind": 2, "carry_drop": 1, "free": 1}
+
+
 def wire_ops(ops: list) -> list[PoolOp]:
-    """``PoolOp`` s from their msgpack form (args as lists; tables' keys as strings)."""
-    return [PoolOp(k, r, tuple(a)) for k, r, a in ops]
+    """``PoolOp`` s from their msgpack form (args as lists; tables' keys as strings).
+    Raises ValueError: an op of another kind, arity or rank type."""
+    if not isinstance(ops, list):
+        raise ValueError(f"pool ops: {type(ops).__name__}, expected a list")
+    out = []
+    for op in ops:
+        if not isinstance(op, (list, tuple)) or len(op) != 3:
+            raise ValueError(f"pool op {op!r}: expected [kind, rank, args]")
+        k, r, a = op
+        if k not in POOL_OP_ARITY or not isinstance(a, (list, tuple)) or len(a) != POOL_OP_ARITY[k]:
+            raise ValueError(f"pool op {op!r}: not one of {sorted(POOL_OP_ARITY)} with its arguments")
+        if r is not None:
+            _check_count(f"pool op {k} rank", r)
+        out.append(PoolOp(k, r, tuple(a)))
+    return out
 
 
 @dataclass
@@ -178,4 +228,23 @@ class DraftPlan:
 
     @classmethod
     def from_wire(cls, d: dict) -> "DraftPlan":
-        return cls([tuple(s) for s in d["settle"]], [DraftRow(*r) for r in d["rows"]])
+        """Raises ValueError naming the field that is not what ``to_wire`` writes."""
+        if not isinstance(d, dict) or not isinstance(d.get("settle"), list) or not isinstance(d.get("rows"), list):
+            raise ValueError("draft plan: expected a dict of settle and rows lists")
+        settle = []
+        for v in d["settle"]:
+            if not isinstance(v, (list, tuple)) or len(v) != 2 or not isinstance(v[0], str):
+                raise ValueError(f"draft plan settle {v!r}: expected [req_id, tokens kept]")
+            _check_count(f"draft plan settle {v[0]!r}", v[1])
+            settle.append(tuple(v))
+        rows = []
+        for v in d["rows"]:
+            if not isinstance(v, (list, tuple)) or len(v) not in (5, 6) or not isinstance(v[0], str):
+                raise ValueError(f"draft plan row {v!r}: expected [req_id, row0, q0, tokens, want(, carry)]")
+            for name, x in zip(("row0", "q0", "want"), (v[1], v[2], v[4])):
+                _check_count(f"draft plan row {v[0]!r} {name}", x)
+            _check_ids(f"draft plan row {v[0]!r} tokens", v[3])
+            if len(v) == 6 and not isinstance(v[5], bool):
+                raise ValueError(f"draft plan row {v[0]!r} carry: {v[5]!r} is not a bool")
+            rows.append(DraftRow(*v))
+        return cls(settle, rows)

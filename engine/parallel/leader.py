@@ -72,7 +72,7 @@ class LeaderRunner(RankRunner):
         try:
             if owner is None or owner != 0:
                 load_split(self.pools, held, num_tokens, tensors, layers, check_only=True)
-        except ValueError:
+        except Exception:                 # noqa: BLE001 - whatever the check raised, re-raised below
             if ops:                       # the recorded changes still happen everywhere, in order
                 self.link.send({"op": "ops", "ops": ops})
                 self.apply_ops([PoolOp(*op) for op in ops])

@@ -14,7 +14,7 @@ from engine.checkpoint.make_tiny import PRESETS
 from engine.config import ModelArgs
 from engine.core.block_manager import CacheConfig, CacheFullError
 from engine.core.llm_engine import LLMEngine
-from engine.core.request import FinishReason
+from engine.core.request import FinishReason, RequestError
 from engine.core.sampling_params import Sampled, SamplingParams
 from engine.core.scheduler import SchedulerLimits
 from engine.core.spec_decode import num_accepted
@@ -185,8 +185,15 @@ def test_pd_reserve_load_commit_then_decode():
     prompt = list(range(2, 42))
     eng.pd.reserve("d", prompt, greedy(3))
     assert "d" in eng.pd.reserved and eng.scheduler.num_reserved == 1
-    eng.pd.load_state("d", {"layers.0.win_kv": None}, [0])
-    assert run.loads == [(eng.cache.seqs["d"].state_slot, 40, ["layers.0.win_kv"], [0], ["reset"])]
+    slot = eng.cache.seqs["d"].state_slot
+    for layer in range(ARGS.num_hidden_layers):                      # layer by layer, as the transfer lands
+        with pytest.raises(RequestError, match=f"layers \\[{layer}"):
+            eng.pd.commit("d", target("d", 40))                       # not before its whole state is in
+        eng.pd.load_state("d", {f"layers.{layer}.win_kv": None}, [layer])
+    assert run.loads[0] == (slot, 40, ["layers.0.win_kv"], [0], ["reset"])   # the new slot cleared first
+    assert [load[3] for load in run.loads] == [[i] for i in range(ARGS.num_hidden_layers)]
+    with pytest.raises(RequestError, match="first_token"):
+        eng.pd.commit("d", True)                                      # a bool is not a token id
     eng.pd.commit("d", target("d", 40))
     outs = []
     while eng.has_unfinished():
@@ -220,6 +227,55 @@ def test_the_prefill_role_hands_off_after_token_1_with_the_finish_rule_and_layer
     eng.add_request("q", list(range(2, 50)), greedy(1), hold_state=True)
     (out,) = eng.step()
     assert out.finish_reason is FinishReason.LENGTH                   # the sample also ends here
+
+
+def test_an_abort_from_the_layer_hook_ends_that_request_only():
+    """The layer hook is the caller's code inside the step: a request it aborts gets no token
+    from that step, the others go on, and nothing stays held."""
+    eng, run = engine()
+    for rid in ("a", "b"):
+        eng.add_request(rid, list(range(2, 22)), greedy(3), hold_state=True)
+    outs = eng.step(on_layer_final=lambda layer, done: layer == 0 and eng.abort("a"))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [("b", [target("b", 20)], None),
+                                                                               ("a", [], FinishReason.ABORT)]
+    assert "b" in eng.pd.held and eng.pd.release("b") and not eng.has_unfinished()
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+    eng.add_request("c", list(range(2, 22)), greedy(2))
+    eng.step()
+    orig = run.execute
+    run.execute = lambda plan, hook=None: (eng.abort("c"), orig(plan, hook))[1]   # aborted on its last token
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in eng.step()] == [("c", [], FinishReason.ABORT)]
+    assert eng.num_free_blocks() == eng.num_total_blocks()
+
+
+@pytest.mark.parametrize("break_it", ["short", "swapped", "empty", "over-accepted"])
+def test_a_result_that_does_not_match_the_plan_aborts_the_sampled_rows(break_it, caplog):
+    """A runner's rows are checked against the plan (one per sampling request, in order, with
+    samples): a mismatch aborts those requests, logged, instead of giving one the other's tokens."""
+    eng, run = engine()
+    eng.add_request("a", list(range(2, 22)), greedy(4))
+    eng.add_request("b", list(range(2, 30)), greedy(4))
+    eng.step()
+    orig = run.execute
+
+    def broken(plan, hook=None):
+        rows = orig(plan, hook).rows
+        if break_it == "short":
+            rows = rows[:-1]
+        elif break_it == "swapped":
+            rows = rows[::-1]
+        elif break_it == "empty":
+            rows = [RowResult(rows[0].req_id, []), *rows[1:]]
+        else:
+            rows = [RowResult(rows[0].req_id, rows[0].sampled, accepted=1), *rows[1:]]
+        return StepResult(rows)
+
+    run.execute = broken
+    outs = eng.step()
+    assert sorted((o.request_id, o.new_token_ids, o.finish_reason) for o in outs) == [
+        ("a", [], FinishReason.ABORT), ("b", [], FinishReason.ABORT)]
+    assert "model runner:" in caplog.text and not eng.has_unfinished()
+    assert eng.num_free_blocks() == eng.num_total_blocks()
 
 
 def test_the_step_contract_and_the_scheduling_import_no_torch():
