@@ -34,8 +34,8 @@ from kvtransfer.secure import cluster_keys, secure_client
 from server.backends.base import BackendError
 from server.backends.instances import Instance
 from server.heartbeat import set_heartbeat
-from server.protocol import (MAX_MESSAGE_BYTES, REPLIES, Abort, Kind, Message, MessageError, Out, Ping, kind_of,
-                             read, unpack)
+from server.protocol import REPLIES, Abort, Kind, Message, Out, Ping, kind_of, read
+from server.protocol_fields import MAX_MESSAGE_BYTES, MessageError, unpack
 
 log = logging.getLogger(__name__)
 

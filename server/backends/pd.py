@@ -31,7 +31,8 @@ from server.backends.instances import Instance, incompatible_pairs, pair_mismatc
 from server.backends.leg import Leg, LegLost, LegState, LostMidStream
 from server.backends.links import WorkerLinks
 from server.backends.prefill_router import PrefillRouter
-from server.protocol import Error, First, Kind, OutItem, Prefill, Renew, Reserve, Reserved, unpack_sampled
+from server.protocol import Error, First, Kind, OutItem, Prefill, Renew, Reserve, Reserved
+from server.protocol_fields import unpack_sampled
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,8 @@ from kvtransfer import handshake_fields
 from kvtransfer.secure import secure_server, stop_authenticator
 from server.heartbeat import set_heartbeat
 from server.metrics import WorkerMetrics
-from server.protocol import MAX_MESSAGE_BYTES, Error, Kind, Message, MessageError, Pong, Probe, kind_of, unpack
+from server.protocol import Error, Kind, Message, Pong, Probe, kind_of
+from server.protocol_fields import MAX_MESSAGE_BYTES, MessageError, unpack
 from server.workers.http import WorkerHttp, serve_http
 from server.workers.layout import quantization_label, state_fingerprint
 from server.workers.loop_calls import LoopCalls

@@ -25,8 +25,8 @@ from engine.core.sampling_params import SamplingError, SamplingParams
 from engine.core.request import RequestOutput
 from kvtransfer import make_receiver
 from kvtransfer.receiver import Action, TransferReceiver
-from server.protocol import (Error, Kind, MessageError, Out, OutItem, Renew, Reserve, Reserved, check_rid,
-                             kind_of, pack_sampled)
+from server.protocol import Error, Kind, Out, OutItem, Renew, Reserve, Reserved, kind_of
+from server.protocol_fields import MessageError, check_rid, pack_sampled
 from server.workers.base import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)

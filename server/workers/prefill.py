@@ -20,8 +20,8 @@ from engine.core.request import FinishReason, RequestOutput
 from kvtransfer import make_sender
 from kvtransfer.sender import Pusher
 from kvtransfer.wire import encode_cancel, encode_commit, encode_layer
-from server.protocol import (Error, First, Kind, MessageError, Prefill, Transferred, check_rid, kind_of,
-                             pack_sampled)
+from server.protocol import Error, First, Kind, Prefill, Transferred, kind_of
+from server.protocol_fields import MessageError, check_rid, pack_sampled
 from server.workers.base import Worker, WorkerOptions
 
 log = logging.getLogger(__name__)

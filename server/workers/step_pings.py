@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import zmq
 
-from server.protocol import Kind, MessageError, Pong, kind_of, unpack
+from server.protocol import Kind, Pong, kind_of
+from server.protocol_fields import MessageError, unpack
 
 log = logging.getLogger(__name__)
 BATCH = 64                  # frames read between two looks at the loop's interrupt

@@ -23,7 +23,7 @@ from server.launch.local import free_port
 from server.workers.base import WorkerOptions
 from server.workers.decode import DecodeWorker
 from server.workers.prefill import PrefillWorker
-from server.protocol import pack, params_to_dict, unpack
+from server.protocol_fields import pack, params_to_dict, unpack
 
 from pd_util import collect_tokens
 

@@ -19,7 +19,8 @@ from server.backends.links import WorkerLinks
 from server.launch.local import free_port
 from server.workers.base import WorkerOptions
 from server.workers.prefill import PrefillWorker
-from server.protocol import Pong, pack, params_to_dict, unpack
+from server.protocol import Pong
+from server.protocol_fields import pack, params_to_dict, unpack
 from server.workers.step_pings import MAX_KEPT, StepPings
 
 
