@@ -18,14 +18,15 @@ CONFIG = "configs/tiny-flash.yaml"
 
 def start_pd(ckpt: str, log, num_prefill: int = 1, num_decode: int = 1, flags: list[str] = (),
              cluster_secret: str | None = None, config: str = CONFIG,
-             instance_args: dict[str, list[str]] | None = None, up=None, timeout_s: float = 300) -> LocalPD:
+             instance_args: dict[str, list[str]] | None = None, up=None, timeout_s: float = 300,
+             num_unified: int = 0) -> LocalPD:
     """A started LocalPD with ``flags`` on every process and ``instance_args`` on the instances
     named ("prefill", "decode1": see ``LocalPD``) (``pd.log``: its log); fails the test with the
     log's tail if it does not come up within ``timeout_s`` (``up``: as ``LocalPD.start``'s)."""
-    extra = {r: list(flags) for r in ("prefill", "decode", "gateway")}
+    extra = {r: list(flags) for r in ("prefill", "decode", "unified", "gateway")}
     for name, args in (instance_args or {}).items():
         extra[name] = extra.get(name, []) + list(args)
-    pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, log_path=str(log),
+    pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, num_unified=num_unified, log_path=str(log),
                  cluster_secret=cluster_secret, extra_args=extra)
     try:
         pd.start(timeout_s=timeout_s, up=up)

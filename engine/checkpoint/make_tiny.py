@@ -57,6 +57,11 @@ PRESETS = {
     # Pro: [128, 128] + [4, 128]*k (+ MTP 0)
     "pro": dict(_COMMON, num_attention_heads=8, o_groups=4, o_lora_rank=64, index_topk=32, n_routed_experts=24,
                 routed_scaling_factor=2.5, compress_ratios=[128, 128, 4, 128, 4, 128, 0]),
+    # the flash preset at the attention and routing widths CPU serving is measured on (issue 25's
+    # vLLM-CPU table): head_dim 512, index_topk 512, 64 routed experts (top-6), the rest as flash
+    "flash-cpu-bench": dict(_COMMON, num_attention_heads=4, o_groups=2, o_lora_rank=128, head_dim=512,
+                            index_topk=512, n_routed_experts=64, routed_scaling_factor=1.5,
+                            compress_ratios=[0, 0, 4, 128, 4, 128, 0]),
     # Flash at its real widths (reference §1.1, §2.2 Flash column), cut to 2 layers + MTP and 8
     # experts: layer 0 CSA + hash-routed, layer 1 HCA + score-routed, MTP window-only
     "flash-real-width": dict(_COMMON, hidden_size=4096, num_hidden_layers=2, num_attention_heads=64, head_dim=512,

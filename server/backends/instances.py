@@ -63,7 +63,14 @@ class Instance:
 def pair_mismatch(pre: Instance, dec: Instance) -> str | None:
     """Why ``pre`` must not push state to ``dec`` (the handshake's rule on the fields of their last
     pongs, worded as decode's side of the handshake words it); None when they pair or a side has
-    not answered yet."""
+    not answered yet. A unified worker (``server.workers.unified``: prefill and decode in one
+    engine) pairs with itself only: the same address under both roles."""
+    unified = [i.addr for i in (pre, dec) if i.load.get("role") == "unified"]
+    if unified:
+        if pre.addr == dec.addr and len(unified) == 2:
+            return None
+        return (f"unified worker {unified[0]} prefills and decodes its own samples (it pairs only with "
+                "itself: list its address in both PREFILL_IPS and DECODE_IPS)")
     return _fields_mismatch(pre.load.get("handshake"), dec.load.get("handshake"))
 
 
@@ -95,5 +102,5 @@ def incompatible_pairs(instances: list[Instance], max_unanswered: int) -> list[d
             reason = pair_mismatch(p, d)
             if reason is not None:
                 out.append({"prefill": p.addr, "decode": d.addr, "reason": reason,
-                            "cause": mismatch_cause(d.load["handshake"], p.load["handshake"])})
+                            "cause": mismatch_cause(d.load["handshake"], p.load["handshake"]) or "layout"})
     return out

@@ -3,7 +3,8 @@
     launch-pd --role prefill --config configs/X.yaml [--port 5555] [--http-port 8001]
     launch-pd --role decode  --config configs/X.yaml [--port 5557] [--state-port 5558] [--http-port 8100]
     launch-pd --role gateway --model DIR [--port 8000] [--prefill-addrs h:p,..] [--decode-addrs h:p,..]
-    launch-pd --role local   --config configs/X.yaml [--port 8000]
+    launch-pd --role unified --config configs/X.yaml [--port 5557] [--http-port 8100]
+    launch-pd --role local   --config configs/X.yaml [--port 8000] [--pd-split]
 
 Addresses and ports default to the environment of deploy/set_env.sh (PREFILL_IPS, DECODE_IPS,
 *_PORT, DSV4_BIND_HOST) and then to loopback. Bad flags or config values exit with status 2 and
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, name)
         if v is not None and not 0 <= v < 65536:
             die(f"launch-pd: --{name.replace('_', '-')}: {v} is not a port number")
-    if args.role in ("prefill", "decode"):
+    if args.role in ("prefill", "decode", "unified"):
         return run_worker(args)
     if args.role == "gateway":
         return run_gateway(args)

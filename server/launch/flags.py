@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-ROLES = ("prefill", "decode", "gateway", "local")
+ROLES = ("prefill", "decode", "unified", "gateway", "local")
 TRANSPORTS = ("zmq-tcp", "zmq-ipc", "dist")
 
 
@@ -33,7 +33,7 @@ def env_int(name: str, default: int) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch-pd", description="dsv4-pd: P/D-disaggregated DeepSeek-V4 serving")
     p.add_argument("--role", required=True, choices=ROLES)
-    p.add_argument("--config", help="YAML run config (configs/*.yaml); required for prefill / decode / local")
+    p.add_argument("--config", help="YAML run config (configs/*.yaml); required for prefill / decode / unified / local")
     p.add_argument("--model", help="checkpoint directory (overrides model_config.model_path)")
     p.add_argument("--host", default=os.environ.get("DSV4_BIND_HOST", "127.0.0.1"), help="bind address")
     p.add_argument("--port", type=int, help="ZMQ request port (workers) or HTTP port (gateway, local)")
@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                         "only with this flag); a layout that does not fit exits 2 (dsv4-plan prints the plan)")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads of a worker (default: torch's; "
                    "several workers on one machine should share the cores, as upstream pins them)")
+    p.add_argument("--pd-split", action="store_true",
+                   help="local: a prefill and a decode worker (the P/D split) instead of one unified worker "
+                        "that prefills and decodes in one engine on all the cores")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching; "
                         "decode never caches)")

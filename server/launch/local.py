@@ -80,7 +80,9 @@ def _rank_ports() -> list[str]:
 
 
 class LocalPD:
-    """``num_prefill`` prefill and ``num_decode`` decode workers plus one gateway.
+    """``num_prefill`` prefill and ``num_decode`` decode workers, ``num_unified`` unified workers
+    (``server.workers.unified``: prefill and decode in one engine; each listed to the gateway as
+    both), plus one gateway.
 
     ``extra_args``: flags per role ("prefill", "decode", "gateway") and per instance ("decode1"),
     the latter last (so an instance's ``--config`` wins). Every worker gets its own free
@@ -91,7 +93,7 @@ class LocalPD:
     """
 
     def __init__(self, config: str, model: str, num_prefill: int = 1, num_decode: int = 1,
-                 transport: str = "zmq-tcp", log_path: str | None = None, gateway_port: int | None = None,
+                 num_unified: int = 0, transport: str = "zmq-tcp", log_path: str | None = None, gateway_port: int | None = None,
                  extra_args: dict[str, list[str]] | None = None, host: str = "127.0.0.1",
                  cluster_secret: str | None = None):
         self.host = host
@@ -104,8 +106,8 @@ class LocalPD:
                   "--transport", transport]
         extra = {k: list(v) for k, v in (extra_args or {}).items()}
         # workers share this machine's cores (oversubscribed OpenMP threads spin and stall each other)
-        threads = str(max(1, (os.cpu_count() or 1) // (num_prefill + num_decode)))
-        for role in ("prefill", "decode"):
+        threads = str(max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode + num_unified)))
+        for role in ("prefill", "decode", "unified"):
             if "--cpu-threads" not in extra.get(role, []):
                 extra.setdefault(role, []).extend(["--cpu-threads", threads])
         self.cmds: dict[str, list[str]] = {}
@@ -127,6 +129,13 @@ class LocalPD:
                 + extra.get(f"decode{i}", [])
             dec.append(f"{host}:{zp}")
             self._http(f"decode{i}", hp)
+        for i in range(num_unified):
+            zp, hp = free_port(), free_port()
+            self.cmds[f"unified{i}"] = launch + ["--role", "unified", "--port", str(zp), "--http-port", str(hp)] \
+                + _rank_ports() + extra.get("unified", []) + extra.get(f"unified{i}", [])
+            pre.append(f"{host}:{zp}")
+            dec.append(f"{host}:{zp}")
+            self._http(f"unified{i}", hp)
         gp = gateway_port or free_port()
         self.cmds["gateway"] = launch + ["--role", "gateway", "--port", str(gp), "--prefill-addrs", ",".join(pre),
                                          "--decode-addrs", ",".join(dec)] + extra.get("gateway", [])

@@ -27,6 +27,9 @@ def run_worker(args) -> int:
     from engine.checkpoint.shards import CheckpointError
     from server.workers.base import WorkerOptions
     prefill = args.role == "prefill"
+    if args.role == "unified" and cfg.parallel_config.world_size > 1:
+        die(f"launch-pd --role unified: parallel_config.world_size {cfg.parallel_config.world_size}: a unified "
+            "worker runs one rank (multi-rank instances run the P/D split)")
     opts = WorkerOptions(
         host=args.host, transport=args.transport, lease_s=args.lease_s, model_name=model_name(args, cfg),
         port=args.port if args.port is not None else
@@ -56,7 +59,7 @@ def run_worker(args) -> int:
         ranks, runner = start_ranks(renv, args, cfg, prefill)
     digest = _start_digest(args.model or cfg.model_config.model_path) if renv is None or renv.leader else None
     try:
-        # prefill runs eager (reference §8.4); a decode worker compiles / captures its step here
+        # prefill runs eager (reference §8.4); a decode or unified worker compiles / captures its step here
         engine = build_engine(cfg, args.model, device=str(platform.device), progress=False, graph=not prefill,
                               rank=renv.rank if renv else 0, runner=runner, warmup=renv is None)
         if digest is not None:
@@ -70,6 +73,8 @@ def run_worker(args) -> int:
         ranks.wait_followers(engine)
     if prefill:
         from server.workers.prefill import PrefillWorker as W
+    elif args.role == "unified":
+        from server.workers.unified import UnifiedWorker as W
     else:
         from server.workers.decode import DecodeWorker as W
     try:
@@ -89,7 +94,7 @@ def run_worker(args) -> int:
     except OSError as e:
         worker.close()
         die(f"launch-pd: --http-port {opts.http_port}: cannot serve HTTP on {args.host}: {e}")
-    extra = f", state {worker.receiver.address}" if not prefill else ""
+    extra = f", state {worker.receiver.address}" if args.role == "decode" else ""
     log.info("%s worker %s ready: requests tcp://%s:%d, http %d%s", args.role, worker.instance_id, args.host,
              opts.port, opts.http_port, extra)
     try:
@@ -238,7 +243,9 @@ def run_gateway(args) -> int:
 
 
 def run_local(args) -> int:
-    """Prefill + decode + gateway as three child processes on loopback; Ctrl-C stops all three."""
+    """One unified worker (prefill and decode in one engine, vLLM's layout) and the gateway as
+    child processes on loopback; with ``--pd-split`` (or a multi-rank config) a prefill and a
+    decode worker instead. Ctrl-C stops them all."""
     from server.launch.local import LocalPD
     cfg = load_config(args)
     model = args.model or cfg.model_config.model_path
@@ -262,9 +269,11 @@ def run_local(args) -> int:
     if args.api_key:                           # to the gateway child by environment (argv is public)
         os.environ["DSV4_API_KEY"] = ",".join(args.api_key)
     gateway_port = args.port or env_int("ROUTER_HTTP_PORT", 8000)
-    pd = LocalPD(args.config, model, transport=args.transport, host=args.host, gateway_port=gateway_port,
+    split = args.pd_split or cfg.parallel_config.world_size > 1     # a unified worker runs one rank
+    pd = LocalPD(args.config, model, num_prefill=int(split), num_decode=int(split), num_unified=int(not split),
+                 transport=args.transport, host=args.host, gateway_port=gateway_port,
                  cluster_secret=cluster_secret(args),
-                 extra_args={"prefill": workers, "decode": workers, "gateway": gw})
+                 extra_args={"prefill": workers, "decode": workers, "unified": workers, "gateway": gw})
     import socket
     with socket.socket() as s:                 # a gateway already there would answer our health check
         # uvicorn binds with SO_REUSEADDR: a port a finished run left in TIME_WAIT is free to it
@@ -288,8 +297,8 @@ def run_local(args) -> int:
         return 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.update(now=True))
-    log.info("local P/D ready: OpenAI API at %s/v1, metrics %s; Ctrl-C stops", pd.base_url,
-             ", ".join(pd.metrics_urls.values()))
+    log.info("local %s ready: OpenAI API at %s/v1, metrics %s; Ctrl-C stops", "P/D" if split else "engine",
+             pd.base_url, ", ".join(pd.metrics_urls.values()))
     rc = 0
     try:
         while not stop["now"]:

@@ -77,7 +77,7 @@ def test_port_in_use_exits_2(tiny_ckpt):
 def test_local_role_serves_and_a_terminal_ctrl_c_lets_streams_finish(tiny_ckpt):
     """Ctrl-C in a terminal is SIGINT to the launcher's whole process group: the children run in
     their own groups, so only the launcher gets it and drains them once (a stream in flight gets
-    all its tokens); all three exit 0. Also: --api-key reaches the gateway child (by environment,
+    all its tokens); the launcher and its two children (one unified worker and the gateway) exit 0. Also: --api-key reaches the gateway child (by environment,
     not argv)."""
     port = free_port()
     p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
@@ -101,7 +101,9 @@ def test_local_role_serves_and_a_terminal_ctrl_c_lets_streams_finish(tiny_ckpt):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert not [c for c in _children(p.pid) if "sk-local-123" in Path(f"/proc/{c}/cmdline").read_text()]
         children = _children(p.pid)
-        assert len(children) == 3
+        assert len(children) == 2                 # one unified worker (prefill + decode in one engine) + gateway
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["healthy_prefill"] == health["healthy_decode"] and len(health["healthy_decode"]) == 1
         body = {**body, "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True}}
         chunks, usage = 0, None
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120,

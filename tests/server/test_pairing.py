@@ -67,3 +67,22 @@ def test_health_and_metric_name_the_incompatible_pairs():
         assert not h["healthy"] and h["compatible_pairs"] == 0 and len(h["incompatible_pairs"]) == 2
     finally:
         asyncio.run(backend.close())
+
+
+def test_a_unified_worker_pairs_with_itself_only():
+    """A unified worker (one engine, listed under both roles) takes its own samples' prefill and
+    nobody else's state; a split prefill never pushes to it."""
+    def unified(role, addr, running=0):
+        inst = _inst(role, addr, running=running)
+        inst.load["role"] = "unified"
+        return inst
+    u1p, u1d, u2p, u2d = unified("prefill", "u:1"), unified("decode", "u:1", 3), unified("prefill", "u:2"), \
+        unified("decode", "u:2")
+    pre = _inst("prefill", "p:1")
+    assert pair_mismatch(u1p, u1d) is None
+    assert "pairs only with itself" in pair_mismatch(u2p, u1d) and "pairs only with itself" in pair_mismatch(pre, u1d)
+    assert "pairs only with itself" in pair_mismatch(u1p, _inst("decode", "d:1"))
+    assert pick_pair([u1p, u1d, u2p, u2d], 4) is u2d           # the less loaded; it has its own prefill
+    assert pick_pair([u1p, u1d, u2d], 4) is u1d                # u:2's prefill side is not up yet
+    bad = incompatible_pairs([u1p, u1d, u2p, u2d], 4)
+    assert {(b["prefill"], b["decode"]) for b in bad} == {("u:1", "u:2"), ("u:2", "u:1")}

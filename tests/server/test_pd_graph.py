@@ -59,3 +59,18 @@ def test_graph_decode_worker_streams_the_eager_tokens(cluster, reference):
     # CPU a longer request would pay a compile on first use
     assert_completions_match(cluster, reference, [(100, 0.0, 0), (129, 0.8, 7), (230, 0.0, 0), (61, 1.0, 11)], 12)
     wait_idle(cluster, ["prefill0", "decode0"])
+
+
+def test_graph_unified_worker_streams_the_eager_tokens(ckpt, graph_cfg, reference, tmp_path_factory):
+    """One engine prefilling eager and decoding in its captured step (``launch-pd --role local``'s
+    default layout), with every core: the eager engine's tokens."""
+    pd = start_pd(ckpt, tmp_path_factory.mktemp("unified-graph") / "pd.log", num_prefill=0, num_decode=0,
+                  num_unified=1, config=str(graph_cfg))
+    try:
+        _wait_ready(pd, "unified0")
+        health = httpx.get(pd.ready_urls["unified0"].replace("/ready", "/health"), timeout=10).json()
+        assert health["role"] == "unified" and health["graph"]["buckets"] == [2]
+        assert_completions_match(pd, reference, [(100, 0.0, 0), (129, 0.8, 7), (230, 0.0, 0), (61, 1.0, 11)], 12)
+        wait_idle(pd, ["unified0"])
+    finally:
+        pd.stop()
