@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -37,12 +39,35 @@ def eos_token_ids(ckpt_dir: str | Path, args: ModelArgs) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def exec_config(cfg: RunConfig) -> ExecConfig:
-    """The run config's execution keys as an ``ExecConfig``. A multi-rank instance captures its
-    decode step too: every rank runs the same bucket of rows, the step's collectives inside it
-    (the graph step's ``rows_mode``)."""
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build the CPU graph step's kernels with ($CXX, else g++,
+    c++ or clang++ on PATH); None without one."""
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def resolve_exe_mode(mode: str, kind: str) -> str:
+    """``model_config.exe_mode`` on a platform ``kind`` (cpu | cuda | npu): ``auto`` is the
+    captured step (npugraph_ex) on a device and on a CPU with a C++ compiler; on a CPU without one
+    eager (logged: inductor cannot build the step's kernels there). Other modes as given."""
+    if mode != "auto":
+        return mode
+    if kind == "cpu" and cpp_compiler() is None:
+        log.warning("model_config.exe_mode auto: no C++ compiler ($CXX, g++, c++, clang++) for inductor's CPU "
+                    "kernels, so decode runs eager (install g++, or set exe_mode: eager to silence this)")
+        return "eager"
+    return "npugraph_ex"
+
+
+def exec_config(cfg: RunConfig, kind: str = "cpu") -> ExecConfig:
+    """The run config's execution keys as an ``ExecConfig`` on platform ``kind`` (``exe_mode``
+    auto resolved by ``resolve_exe_mode``). A multi-rank instance captures its decode step too:
+    every rank runs the same bucket of rows, the step's collectives inside it (the graph step's
+    ``rows_mode``)."""
     m, cp = cfg.model_config, cfg.model_config.custom_params
-    mode = m.exe_mode
+    mode = resolve_exe_mode(m.exe_mode, kind)
     return ExecConfig(exe_mode=mode, multi_streams=cp.enable_multi_streams, limit_core=cp.enable_limit_core,
                       static_kernel=m.enable_static_kernel, cache_compile=m.enable_cache_compile,
                       compile_dir=m.output_path, dynamic_graph=m.enable_dynamic_graph, superkernel=cp.enable_superkernel,
@@ -98,7 +123,7 @@ def build_engine(cfg: RunConfig, model_dir: str | Path | None = None, device: st
         raise ConfigError(f"model_config.model_path: {str(path)!r} is not a checkpoint directory")
     plat = detect(device)
     _check_ranks(cfg)
-    cp, ex = cfg.model_config.custom_params, exec_config(cfg)
+    cp, ex = cfg.model_config.custom_params, exec_config(cfg, plat.kind)
     if plat.kind == "npu":
         check_platform_version(cfg, plat.platform_version)
     elif ex.limit_core:

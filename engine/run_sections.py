@@ -19,7 +19,7 @@ from engine.config_checks import (choice, coerce, fail, field_hints, in_range, p
 from engine.kernel_config import validate_kernel_config
 
 DTYPES = ("bfloat16", "float32", "float16")
-EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
+EXE_MODES = ("auto", "eager", "ge_graph", "npugraph_ex")
 PLATFORMS = ("A2", "A3", "950")
 DATASETS = ("default", "LongBench", "InfiniteBench")
 MAX_NEXT_N = 3                                 # MTP depth DSV4 supports (§5.1)
@@ -71,7 +71,9 @@ class ModelConfig:
     with_ckpt: bool = True                # False -> dummy weights
     next_n: int = 0                       # MTP speculative depth
     platform_version: str | None = None   # A2 | A3 | 950; None -> detected from the device (else A3)
-    exe_mode: str = "eager"               # eager | ge_graph | npugraph_ex (decode only; prefill is eager)
+    # auto | eager | ge_graph | npugraph_ex (decode only; prefill is eager). auto: the captured step
+    # (npugraph_ex) on a device, and on CPU where inductor finds a C++ compiler, else eager
+    exe_mode: str = "auto"
     enable_cache_compile: bool = False
     enable_static_kernel: bool = False    # npugraph_ex only
     enable_dynamic_graph: bool = True     # npugraph_ex: torch.compile(dynamic=...)

@@ -163,11 +163,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w
     ``static_decode.moe_experts_gathered``, writes each as an fp32 ``[B, I, H]`` tile for a
     batched GEMV). A gathered expert serves one row, so this is a matrix-vector product at every
     batch size: the case where the fused form beats a dequantised tile and BLAS. Same fp32
-    products, summed in another order; slots accumulate in order in fp32 as there.
+    products, summed in another order; slots accumulate in order in fp32 as there. Where the
+    step's B * k (row, slot) pairs are at least the E experts, rows share experts and the pairs
+    would decode the same bytes many times: ``moe_grouped`` then runs the eager grouping (each
+    distinct expert dequantised once, its rows as GEMM blocks), bit for bit the eager step's.
     x ``[B, H]``; ids, weights ``[B, k]``; w1, w3 ``[E, I, H]``; w2 ``[E, H, I]`` -> ``[B, H]`` fp32."""
     if moe_why(x, ids, w1, w3, w2, act) is not None:
         return reference.moe_experts(x, ids, weights, w1, w3, w2, limit, act)
     (B, H), k = x.shape, ids.shape[1]
+    if B * k >= w1.shape[0]:          # the pairs outnumber the experts: each distinct one once
+        return moe_grouped(x, ids, weights, w1.data, w1.scale, w3.data, w3.scale, w2.data, w2.scale, limit)
     flat = expert_ids(ids.reshape(-1))                                      # [B * k], row b's slots together
     xs = x[:, None].expand(B, k, H).reshape(B * k, H)
     h = reference.swiglu_clamp(_matvec(w1.take(flat), xs), _matvec(w3.take(flat), xs), limit)
@@ -176,6 +181,23 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, w
     for j in range(k):
         out += y[:, j] * weights[:, j:j + 1].float()
     return out
+
+
+@torch.library.custom_op("dsv4::moe_grouped", mutates_args=())
+def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                w3: torch.Tensor, s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, limit: float) -> torch.Tensor:
+    """``reference.moe_experts`` on MXFP4 experts given as their stored tensors (``Packed`` data /
+    scale of w1, w3, w2), opaque to inductor: the graph step calls the eager grouped form, whose
+    expert count and row blocks depend on the ids (host-side shapes a graph cannot hold). Grouped
+    by expert as the eager step is, so a row gets the eager step's bits. x ``[B, H]`` fp32; ids,
+    weights ``[B, k]`` -> ``[B, H]`` fp32."""
+    return reference.moe_experts(x, ids, weights, Packed(w1, s1, "fp4"), Packed(w3, s3, "fp4"),
+                                 Packed(w2, s2, "fp4"), limit)
+
+
+@moe_grouped.register_fake
+def _(x, ids, weights, w1, s1, w3, s3, w2, s2, limit):
+    return torch.empty_like(x, dtype=torch.float32)
 
 
 @torch.library.custom_op("dsv4::expert_ids", mutates_args=())

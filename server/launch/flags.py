@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
                    help="local: a prefill and a decode worker (the P/D split) instead of one unified worker "
                         "that prefills and decodes in one engine on all the cores")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching; "
+                   help="prefill / unified: reuse cached prompt-prefix state (overrides scheduler_config.enable_prefix_caching; "
                         "decode never caches)")
     p.add_argument("--prefill-routing", choices=("cache_aware", "least_load", "round_robin"), default="cache_aware",
                    help="gateway: how a prefill instance is chosen (server/backends/prefill_router.py)")

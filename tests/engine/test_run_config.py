@@ -359,3 +359,22 @@ def test_prefix_caching_config():
         assert cfg.scheduler_config.enable_prefix_caching
     with pytest.raises(ConfigError, match="prefix_cache_slots"):
         RunConfig.from_dict({"scheduler_config": {"prefix_cache_slots": -1}})
+
+
+def test_exe_mode_auto_is_graph_mode_where_a_compiler_builds_it(monkeypatch, caplog):
+    """``exe_mode`` auto (the default): the captured step on a device, and on a CPU with a C++
+    compiler; on a CPU without one eager, with a warning that names the fix."""
+    import logging
+
+    from engine.build import cpp_compiler, exec_config, resolve_exe_mode
+    assert RunConfig.from_dict({}).model_config.exe_mode == "auto"
+    assert resolve_exe_mode("eager", "cuda") == "eager" and resolve_exe_mode("npugraph_ex", "cpu") == "npugraph_ex"
+    assert resolve_exe_mode("auto", "npu") == resolve_exe_mode("auto", "cuda") == "npugraph_ex"
+    if cpp_compiler() is not None:
+        assert resolve_exe_mode("auto", "cpu") == "npugraph_ex" and exec_config(RunConfig.from_dict({})).graph
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with caplog.at_level(logging.WARNING):
+        assert cpp_compiler() is None and resolve_exe_mode("auto", "cpu") == "eager"
+    assert "no C++ compiler" in caplog.text and "g++" in caplog.text
+    assert not exec_config(RunConfig.from_dict({}), "cpu").graph

@@ -53,6 +53,17 @@ def window_rows(win_table: torch.Tensor, positions: torch.Tensor, ring_len: int,
     return table_rows(win_table, bs, wpos % ring_len), wpos >= 0
 
 
+def keys_first_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """``weighted_relu_sum(q k^T)`` (§3.5's index scores) with the keys as the untransposed left
+    operand of both products: ``[B, N, dI] x [B, dI, h]``, then ``[B, N, h] x [B, h, 1]``. The
+    ``[B, h, dI] x [B, dI, N]`` form reads the N keys as the transposed operand of a skinny GEMM,
+    which ran at ~5 GB/s on CPU against the ~34 the keys stream at (docs/benchmarks.md, the decode
+    grid at 128K). Same products, summed in another order. q ``[B, h, dI]``, k ``[B, N, dI]`` fp32,
+    weights ``[B, h]`` -> ``[B, N]`` fp32."""
+    s = torch.bmm(k, q.transpose(1, 2)).clamp_min_(0)                              # [B, N, h]
+    return torch.bmm(s, (weights.float() * scale).unsqueeze(-1)).squeeze(-1)
+
+
 def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows, block_table: torch.Tensor,
                         block_size: int, positions: torch.Tensor, pos: list[int] | None, ratio: int, topk: int,
                         scale: float, max_seqlen: int | None = None) -> torch.Tensor:
@@ -74,7 +85,7 @@ def decode_indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: CacheRows,
         N = block_table.shape[1] * block_size
         idx = torch.arange(N, device=q.device)
         k = keys.read(table_rows(block_table, block_size, idx.expand(q.shape[0], N))).float()
-        s = weighted_relu_sum(torch.einsum("bhd,bnd->bhn", quant_query(keys.codec, q).float(), k), weights, scale)
+        s = keys_first_scores(quant_query(keys.codec, q).float(), k, weights, scale)
         allowed = idx[None] < ((positions + 1) // ratio)[:, None]
         return topk_low_index(s.masked_fill(~allowed, float("-inf")), allowed, topk)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)

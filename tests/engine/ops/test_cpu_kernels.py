@@ -203,6 +203,27 @@ def test_fused_experts_in_a_compiled_step_equal_the_gathered_reference(B):
     assert (hashed(x, tokens) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
+def test_when_pairs_outnumber_experts_the_step_groups_by_expert_with_the_eager_bits():
+    """B * k >= E: the compiled step runs the eager grouping (``dsv4::moe_grouped``: each distinct
+    expert dequantised once), bit for bit the eager op, ids given or computed in the graph; below
+    it the fused gathered form runs (within fp32 reordering of the eager op)."""
+    E, I, k = 16, 64, 4
+    w1, w3, w2 = _experts(E, I, H, 3), _experts(E, I, H, 4), _experts(E, H, I, 5)
+    as_bytes = [Packed(w.data, w.scale.view(torch.uint8), "fp4") for w in (w1, w3, w2)]
+    g = torch.Generator().manual_seed(7)
+    step = torch.compile(cpu.moe_experts, fullgraph=True, dynamic=False)
+    for B in (4, 9):                                 # 16 and 36 pairs: grouped
+        x, ids, wt = _x(B), torch.rand(B, E, generator=g).argsort(-1)[:, :k], torch.rand(B, k, generator=g)
+        want = reference.moe_experts(x, ids, wt, w1, w3, w2, 10.0)
+        assert torch.equal(step(x, ids, wt, *as_bytes, 10.0), want)
+        table, tokens = torch.cat([ids, ids.flip(0)]), torch.arange(B)
+        hashed = torch.compile(lambda x, t: cpu.moe_experts(x, table[t], wt, *as_bytes, 10.0), fullgraph=True)
+        assert torch.equal(hashed(x, tokens), want)
+    x, ids, wt = _x(3), torch.rand(3, E, generator=g).argsort(-1)[:, :k], torch.rand(3, k, generator=g)
+    fused, want = step(x, ids, wt, *as_bytes, 10.0), reference.moe_experts(x, ids, wt, w1, w3, w2, 10.0)
+    assert not torch.equal(fused, want) and (fused - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 def test_fused_experts_keep_the_reference_outside_their_case():
     E, I = 4, 64
     w1, w3, w2 = _experts(E, I, H, 3), _experts(E, I, H, 4), _experts(E, H, I, 5)
