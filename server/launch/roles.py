@@ -263,6 +263,9 @@ def run_local(args) -> int:
     workers = extra + (["--cpu-threads", str(args.cpu_threads)] if args.cpu_threads is not None else [])
     if args.device_memory_gib is not None:
         workers += ["--device-memory-gib", str(args.device_memory_gib)]
+    if args.enable_prefix_caching is not None:
+        workers += ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    workers += ["--lease-s", str(args.lease_s)]
     gw = extra + ["--lease-s", str(args.lease_s), "--reconnect-grace-s", str(args.reconnect_grace_s),
                   "--default-thinking", args.default_thinking] + (
         ["--served-model-name", args.served_model_name] if args.served_model_name else [])

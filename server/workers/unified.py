@@ -59,8 +59,12 @@ class UnifiedWorker(Worker):
         self.samples: dict[str, UnifiedSample] = {}
 
     def extra_load(self) -> dict:
-        return {"state_addr": self.state_addr, "queued": len(self.engine.scheduler.waiting),
+        return {"state_addr": self.state_addr, "queued": len(self.engine.scheduler.waiting) + self.num_queued(),
                 "queued_tokens": sum(len(s.prompt_ids) for s in self.engine.scheduler.waiting)}
+
+    def num_queued(self) -> int:
+        """Samples reserved here whose prefill has not come yet (outside the engine's own queue)."""
+        return sum(s.prefill_owner is None for s in self.samples.values())
 
     def next_timer(self) -> float | None:
         return min((s.reserved_until for s in self.samples.values() if s.prefill_owner is None), default=None)
@@ -88,20 +92,24 @@ class UnifiedWorker(Worker):
         if rid in self.samples:
             self.reply(identity, Error(rid=rid, status=400, message=f"rid: {rid!r} is in use"))
             return
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = len(self.engine.scheduler.waiting) + self.num_queued()
         if waiting >= self.opts.max_queued:
             self.reply(identity, Error(rid=rid, status=429, message=f"{waiting} samples wait for the engine"))
             return
         lease = self.opts.lease_s if req.lease_s is None else min(req.lease_s, self.opts.lease_s)
         self.samples[rid] = UnifiedSample(rid, identity, time.monotonic() + lease)
+        self.track_deadline(rid, req.deadline_s)
         self.reply(identity, Reserved(rid=rid, state_addr=self.state_addr, instance_id=self.instance_id,
                                       lease_s=float(lease)))
 
     def _prefill(self, identity: bytes, req: Prefill) -> None:
         rid, params, outs = req.rid, req.params, req.output_ids
         s = self.samples.get(rid)
+        if s is not None and s.prefill_owner is not None:       # a live sample's: never end it from here
+            self.reply(identity, Error(rid=None, status=400, message=f"rid: {rid!r} is already prefilling here"))
+            return
         try:
-            if s is None or s.prefill_owner is not None:
+            if s is None:
                 raise RequestError(f"rid: {rid!r} holds no reservation here")
             if req.dest != self.state_addr:
                 raise RequestError(f"dest: {req.dest!r} is not this worker's ({self.state_addr!r}); a unified "
@@ -149,10 +157,13 @@ class UnifiedWorker(Worker):
 
     def gateway_connections(self) -> set[bytes]:
         return {s.owner for s in self.samples.values()} | {s.prefill_owner for s in self.samples.values()
-                                                           if s.prefill_owner is not None}
+                                                           if s.prefill_owner is not None and not s.first_sent}
 
     def owner_gone(self, owner: bytes) -> None:
-        rids = [r for r, s in self.samples.items() if owner in (s.owner, s.prefill_owner)]
+        """After token #1 a sample answers to its reserving connection only (as on a decode
+        worker): the prefill connection going then ends nothing."""
+        rids = [r for r, s in self.samples.items()
+                if owner == s.owner or (owner == s.prefill_owner and not s.first_sent)]
         if rids:
             log.warning("unified: gateway connection gone: aborting %d samples", len(rids))
         for rid in rids:

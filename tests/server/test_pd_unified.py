@@ -15,11 +15,12 @@ import zmq
 from openai import OpenAI
 
 from engine.core.sampling_params import SamplingParams
-from server.protocol import Prefill, Reserve
+from server.protocol import Abort, Prefill, Reserve
 
 from pd_util import CONFIG, assert_completions_match, rand_prompt, start_pd, wait_idle
 
 WORKER = "unified0"
+MAX_QUEUED = 6
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def chunked_cfg(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(ckpt, chunked_cfg, tmp_path_factory):
     pd = start_pd(ckpt, tmp_path_factory.mktemp("unified") / "pd.log", num_prefill=0, num_decode=0, num_unified=1,
-                  config=str(chunked_cfg))
+                  config=str(chunked_cfg), instance_args={"unified": ["--max-queued", str(MAX_QUEUED)]})
     yield pd
     pd.stop()
 
@@ -137,6 +138,65 @@ def test_prefill_without_its_reservation_is_refused(cluster):
         sock.close()
         ctx.term()
     wait_idle(cluster, [WORKER], timeout_s=15)
+
+
+def _dealer(cluster, ctx):
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{cluster.cmds[WORKER][cluster.cmds[WORKER].index('--port') + 1]}")
+    return sock
+
+
+def _ask(sock, msg) -> dict:
+    sock.send(msg.pack())
+    return msgpack.unpackb(sock.recv(), raw=False)
+
+
+def test_the_prefill_connection_going_after_token_one_ends_nothing(cluster, reference):
+    """Reserved on one connection, prefilled on another that closes once token #1 came: the
+    reserving connection still gets every later token (as from a decode worker)."""
+    ctx = zmq.Context()
+    a, b = _dealer(cluster, ctx), _dealer(cluster, ctx)
+    prompt, params = rand_prompt(60, 60), SamplingParams(max_new_tokens=120, temperature=0.0, seed=1, ignore_eos=True)
+    try:
+        r = _ask(a, Reserve(rid="two-conns", prompt_ids=prompt, params=params))
+        assert r["op"] == "reserved"
+        first = _ask(b, Prefill(rid="two-conns", prompt_ids=prompt, params=params, dest=r["state_addr"]))
+        assert first["op"] == "first" and msgpack.unpackb(b.recv(), raw=False)["op"] == "transferred"
+        b.close()
+        ids, done = [first["id"]], False
+        while not done:
+            m = msgpack.unpackb(a.recv(), raw=False)
+            for item in m.get("items", []):
+                ids += item["ids"]
+                done = done or item["done"]
+        assert ids == reference.generate([prompt], params)[0].output_ids
+    finally:
+        a.close()
+        ctx.term()
+    wait_idle(cluster, [WORKER], timeout_s=15)
+
+
+def test_reservations_waiting_for_their_prefill_count_against_max_queued(cluster):
+    ctx = zmq.Context()
+    a = _dealer(cluster, ctx)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, seed=1)
+    try:
+        for i in range(MAX_QUEUED):
+            assert _ask(a, Reserve(rid=f"q{i}", prompt_ids=[5, 6], params=params))["op"] == "reserved"
+        assert cluster.ready(WORKER)["queued"] == MAX_QUEUED
+        r = _ask(a, Reserve(rid="one-too-many", prompt_ids=[5, 6], params=params))
+        assert r["op"] == "error" and r["status"] == 429
+        for i in range(MAX_QUEUED):
+            a.send(Abort(rid=f"q{i}").pack())
+        end = time.monotonic() + 10
+        while cluster.ready(WORKER)["queued"] and time.monotonic() < end:
+            time.sleep(0.1)
+        assert cluster.ready(WORKER)["queued"] == 0
+    finally:
+        a.close()
+        ctx.term()
 
 
 def ask_until(sock, op: str, timeout_s: float = 20) -> dict:
