@@ -72,8 +72,9 @@ class ModelConfig:
     next_n: int = 0                       # MTP speculative depth
     platform_version: str | None = None   # A2 | A3 | 950; None -> detected from the device (else A3)
     # auto | eager | ge_graph | npugraph_ex (decode only; prefill is eager). auto: the captured step
-    # (npugraph_ex) on a device, and on CPU where inductor finds a C++ compiler, else eager
-    exe_mode: str = "auto"
+    # (npugraph_ex) on a device, and on CPU where inductor finds a C++ compiler, else eager. The
+    # default is upstream's (eager): a cann-recipes-infer YAML means here what it means there
+    exe_mode: str = "eager"
     enable_cache_compile: bool = False
     enable_static_kernel: bool = False    # npugraph_ex only
     enable_dynamic_graph: bool = True     # npugraph_ex: torch.compile(dynamic=...)

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/walk_request.py [--repo DIR] [--model DIR] [--max-tokens 4] [--json OUT]
 
-Starts ``launch-pd --role local`` (launcher, prefill, decode and gateway processes) from ``--repo``
+Starts ``launch-pd --role local --pd-split`` (launcher, prefill, decode and gateway processes) from ``--repo``
 (default: this checkout) on configs/tiny-flash.yaml and the bundled tiny checkpoint (``--model``,
 else ``dsv4-make-tiny --preset flash --seed 0`` into a temp dir, about 10 s), with
 ``scripts/walk_tracer.py`` as every process's ``sitecustomize`` (the project needs no hook, so an
@@ -180,6 +180,9 @@ def walk(repo: Path, model: Path | None, config: str, max_tokens: int, step: str
     port, log = _free_port(), work / "stack.log"
     cmd = [py, "-m", _entry_module(repo, "launch-pd"), "--role", "local", "--config", config,
            "--model", str(model), "--port", str(port)]
+    flags = repo / "server/launch/flags.py"
+    if flags.is_file() and "--pd-split" in flags.read_text():     # the P/D path (where one engine is the default)
+        cmd.append("--pd-split")
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT)

@@ -31,6 +31,9 @@ def env_int(name: str, default: int) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """``launch-pd``'s argument parser.
+
+    Length: one ``add_argument`` per flag, in the order ``--help`` prints them."""
     p = argparse.ArgumentParser(prog="launch-pd", description="dsv4-pd: P/D-disaggregated DeepSeek-V4 serving")
     p.add_argument("--role", required=True, choices=ROLES)
     p.add_argument("--config", help="YAML run config (configs/*.yaml); required for prefill / decode / unified / local")

@@ -71,14 +71,8 @@ def run_worker(args) -> int:
         return run_follower(engine, renv, args, cfg)
     if ranks is not None:
         ranks.wait_followers(engine)
-    if prefill:
-        from server.workers.prefill import PrefillWorker as W
-    elif args.role == "unified":
-        from server.workers.unified import UnifiedWorker as W
-    else:
-        from server.workers.decode import DecodeWorker as W
     try:
-        worker = W(engine, opts)
+        worker = _worker_class(args.role)(engine, opts)
     except Exception as e:     # zmq bind errors: address in use / not available
         die(f"launch-pd: cannot start the {args.role} worker on {args.host}: {e}")
     if ranks is not None:
@@ -104,6 +98,18 @@ def run_worker(args) -> int:
         if ranks is not None:
             ranks.close()
     return 1 if worker.rank_failure else 0
+
+
+def _worker_class(role: str):
+    """The ``server.workers`` class of a worker role (prefill, decode, unified)."""
+    if role == "prefill":
+        from server.workers.prefill import PrefillWorker
+        return PrefillWorker
+    if role == "unified":
+        from server.workers.unified import UnifiedWorker
+        return UnifiedWorker
+    from server.workers.decode import DecodeWorker
+    return DecodeWorker
 
 
 def check_memory(args, cfg) -> None:
@@ -242,13 +248,8 @@ def run_gateway(args) -> int:
     return 0 if server.started else 1
 
 
-def run_local(args) -> int:
-    """One unified worker (prefill and decode in one engine, vLLM's layout) and the gateway as
-    child processes on loopback; with ``--pd-split`` (or a multi-rank config) a prefill and a
-    decode worker instead. Ctrl-C stops them all."""
-    from server.launch.local import LocalPD
-    cfg = load_config(args)
-    model = args.model or cfg.model_config.model_path
+def _local_flags(args) -> tuple[list[str], list[str]]:
+    """The flags ``--role local`` hands its workers and its gateway (exits 2 on a bad --device)."""
     from engine.platform import PlatformError, parse_spec
     env = os.environ.get("DSV4_DEVICE", "").strip()
     device, key = (args.device, "--device") if args.device is not None else (env or "auto", "DSV4_DEVICE")
@@ -269,6 +270,17 @@ def run_local(args) -> int:
     gw = extra + ["--lease-s", str(args.lease_s), "--reconnect-grace-s", str(args.reconnect_grace_s),
                   "--default-thinking", args.default_thinking] + (
         ["--served-model-name", args.served_model_name] if args.served_model_name else [])
+    return workers, gw
+
+
+def run_local(args) -> int:
+    """One unified worker (prefill and decode in one engine, vLLM's layout) and the gateway as
+    child processes on loopback; with ``--pd-split`` (or a multi-rank config) a prefill and a
+    decode worker instead. Ctrl-C stops them all."""
+    from server.launch.local import LocalPD
+    cfg = load_config(args)
+    model = args.model or cfg.model_config.model_path
+    workers, gw = _local_flags(args)
     if args.api_key:                           # to the gateway child by environment (argv is public)
         os.environ["DSV4_API_KEY"] = ",".join(args.api_key)
     gateway_port = args.port or env_int("ROUTER_HTTP_PORT", 8000)

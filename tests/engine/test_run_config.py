@@ -251,7 +251,7 @@ BAD = [
      "data_config.dataset: must be one of 'default', 'LongBench', 'InfiniteBench', got 'infinitebench' "
      "(did you mean 'InfiniteBench'?)"),
     ("model_config.dtype", "fp32", "model_config.dtype: must be one of 'bfloat16', 'float32', 'float16'"),
-    ("model_config.exe_mode", "acl_graph", "model_config.exe_mode: must be one of 'eager', 'ge_graph', 'npugraph_ex'"),
+    ("model_config.exe_mode", "acl_graph", "model_config.exe_mode: must be one of 'auto', 'eager', 'ge_graph', 'npugraph_ex'"),
     ("model_config.platform_version", "A5", "model_config.platform_version: must be one of 'A2', 'A3', '950'"),
     ("model_config.next_n", 4, "model_config.next_n: must be in [0, 3], got 4"),
     ("model_config.next_n", -1, "model_config.next_n: must be in [0, 3], got -1"),
@@ -362,19 +362,20 @@ def test_prefix_caching_config():
 
 
 def test_exe_mode_auto_is_graph_mode_where_a_compiler_builds_it(monkeypatch, caplog):
-    """``exe_mode`` auto (the default): the captured step on a device, and on a CPU with a C++
-    compiler; on a CPU without one eager, with a warning that names the fix."""
+    """``exe_mode`` auto: the captured step on a device, and on a CPU with a C++ compiler; on a CPU
+    without one eager, with a warning that names the fix. The default stays upstream's eager."""
     import logging
 
     from engine.build import cpp_compiler, exec_config, resolve_exe_mode
-    assert RunConfig.from_dict({}).model_config.exe_mode == "auto"
+    auto = RunConfig.from_dict({"model_config": {"exe_mode": "auto"}})
+    assert RunConfig.from_dict({}).model_config.exe_mode == "eager"
     assert resolve_exe_mode("eager", "cuda") == "eager" and resolve_exe_mode("npugraph_ex", "cpu") == "npugraph_ex"
     assert resolve_exe_mode("auto", "npu") == resolve_exe_mode("auto", "cuda") == "npugraph_ex"
     if cpp_compiler() is not None:
-        assert resolve_exe_mode("auto", "cpu") == "npugraph_ex" and exec_config(RunConfig.from_dict({})).graph
+        assert resolve_exe_mode("auto", "cpu") == "npugraph_ex" and exec_config(auto).graph
     monkeypatch.setenv("PATH", "/nonexistent")
     monkeypatch.delenv("CXX", raising=False)
     with caplog.at_level(logging.WARNING):
         assert cpp_compiler() is None and resolve_exe_mode("auto", "cpu") == "eager"
     assert "no C++ compiler" in caplog.text and "g++" in caplog.text
-    assert not exec_config(RunConfig.from_dict({}), "cpu").graph
+    assert not exec_config(auto, "cpu").graph
