@@ -120,3 +120,18 @@ def wait_incompatible_pair(pd, timeout_s: float = 60) -> dict:
         assert time.monotonic() < end, h
         time.sleep(0.1)
     return h
+
+
+def drop_stream(base_url: str, body: dict, chunks: int = 3) -> None:
+    """POST a streamed ``/v1/completions`` and close the connection after ``chunks`` data chunks
+    (a client going away mid-stream)."""
+    import httpx
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == chunks:
+                        return

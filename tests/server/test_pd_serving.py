@@ -15,6 +15,8 @@ from openai import AsyncOpenAI, OpenAI
 from engine.core.sampling_params import SamplingParams
 from server.launch.local import LocalPD, log_tail
 
+from pd_util import drop_stream
+
 CONFIG = "configs/tiny-flash.yaml"
 
 
@@ -190,16 +192,7 @@ def test_client_disconnect_aborts_decode_and_frees_its_state(cluster):
     assert _decode_idle(cluster)
     body = {"model": _model(cluster), "prompt": "Tell me a very long story. " * 10, "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", cluster.base_url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += 1
-                    if got == 3:
-                        break
-        # the connection is closed here, mid-stream
+    drop_stream(cluster.base_url, body)             # the connection is closed mid-stream
     busy = not _decode_idle(cluster)
     deadline = time.monotonic() + 10
     while not _decode_idle(cluster) and time.monotonic() < deadline:

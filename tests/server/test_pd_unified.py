@@ -17,7 +17,7 @@ from openai import OpenAI
 from engine.core.sampling_params import SamplingParams
 from server.protocol import Abort, Prefill, Reserve
 
-from pd_util import CONFIG, assert_completions_match, rand_prompt, start_pd, wait_idle
+from pd_util import CONFIG, assert_completions_match, drop_stream, rand_prompt, start_pd, wait_idle
 
 WORKER = "unified0"
 MAX_QUEUED = 6
@@ -94,15 +94,7 @@ def test_token_one_that_ends_it_and_logprobs(cluster, reference):
 def test_client_disconnect_frees_the_state(cluster):
     body = {"model": "deepseek_v4", "prompt": "Tell me a very long story. " * 10, "max_tokens": 2000,
             "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", cluster.base_url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            got = 0
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    got += 1
-                    if got == 3:
-                        break
+    drop_stream(cluster.base_url, body)
     wait_idle(cluster, [WORKER], timeout_s=15)
     text = httpx.get(cluster.metrics_urls[WORKER], timeout=10).text
     assert re.search(r'dsv4:request_success_total\{[^}]*finished_reason="abort"[^}]*\} [1-9]', text)
