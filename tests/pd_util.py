@@ -26,8 +26,8 @@ def start_pd(ckpt: str, log, num_prefill: int = 1, num_decode: int = 1, flags: l
     extra = {r: list(flags) for r in ("prefill", "decode", "unified", "gateway")}
     for name, args in (instance_args or {}).items():
         extra[name] = extra.get(name, []) + list(args)
-    pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, num_unified=num_unified, log_path=str(log),
-                 cluster_secret=cluster_secret, extra_args=extra)
+    pd = LocalPD(config, ckpt, num_prefill=num_prefill, num_decode=num_decode, num_unified=num_unified,
+                 log_path=str(log), cluster_secret=cluster_secret, extra_args=extra)
     try:
         pd.start(timeout_s=timeout_s, up=up)
     except RuntimeError as e:

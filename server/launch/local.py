@@ -93,7 +93,8 @@ class LocalPD:
     """
 
     def __init__(self, config: str, model: str, num_prefill: int = 1, num_decode: int = 1,
-                 num_unified: int = 0, transport: str = "zmq-tcp", log_path: str | None = None, gateway_port: int | None = None,
+                 num_unified: int = 0, transport: str = "zmq-tcp", log_path: str | None = None,
+                 gateway_port: int | None = None,
                  extra_args: dict[str, list[str]] | None = None, host: str = "127.0.0.1",
                  cluster_secret: str | None = None):
         self.host = host

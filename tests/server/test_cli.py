@@ -77,8 +77,8 @@ def test_port_in_use_exits_2(tiny_ckpt):
 def test_local_role_serves_and_a_terminal_ctrl_c_lets_streams_finish(tiny_ckpt):
     """Ctrl-C in a terminal is SIGINT to the launcher's whole process group: the children run in
     their own groups, so only the launcher gets it and drains them once (a stream in flight gets
-    all its tokens); the launcher and its two children (one unified worker and the gateway) exit 0. Also: --api-key reaches the gateway child (by environment,
-    not argv)."""
+    all its tokens); the launcher and its two children (one unified worker and the gateway) exit
+    0. Also: --api-key reaches the gateway child (by environment, not argv)."""
     port = free_port()
     p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
                                    str(tiny_ckpt("flash", 1)), "--port", str(port), "--api-key", "sk-local-123"],
