@@ -81,7 +81,10 @@ def test_local_role_serves_and_a_terminal_ctrl_c_lets_streams_finish(tiny_ckpt):
     0. Also: --api-key reaches the gateway child (by environment, not argv)."""
     port = free_port()
     p = subprocess.Popen(LAUNCH + ["--role", "local", "--config", "configs/tiny-flash.yaml", "--model",
-                                   str(tiny_ckpt("flash", 1)), "--port", str(port), "--api-key", "sk-local-123"],
+                                   str(tiny_ckpt("flash", 1)), "--port", str(port), "--api-key", "sk-local-123",
+                                   # the drain outlasts 46 tokens on a loaded 2-core CI box, where two
+                                   # OpenMP threads against other processes take up to ~1 s a token
+                                   "--drain-timeout-s", "120"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
