@@ -90,10 +90,24 @@ def pools_equal(leader, follower):
     """The two ranks' state pools hold the same bytes; the follower kept no accounting (its
     engine's blocks are all free: the plans carry the tables) and the same MTP carries."""
     ta, tb = leader.runner.pools.tensors(), follower.runner.pools.tensors()
-    assert len(ta) == len(tb) and all(torch.equal(x, y) for x, y in zip(ta, tb))
+    assert len(ta) == len(tb)
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
+        bx, by = x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)     # NaN bits compare too
+        if not torch.equal(bx, by):
+            raise AssertionError(f"pool tensor {i}: {_first_diff(x, y)}")
     assert follower.cache.seqs == {} and follower.num_free_blocks() == follower.num_total_blocks()
     ca, cb = leader.runner.carries, follower.runner.carries
     assert list(ca) == list(cb) and all(torch.equal(ca[k], cb[k]) for k in ca)
+
+
+def _first_diff(x: torch.Tensor, y: torch.Tensor) -> str:
+    """Where two pool tensors of one shape differ, for the failure message."""
+    fx, fy = (x.float(), y.float()) if x.is_floating_point() else (x, y)
+    nan = (fx.isnan().sum().item(), fy.isnan().sum().item()) if x.is_floating_point() else (0, 0)
+    diff = (fx != fy) & ~(fx.isnan() & fy.isnan()) if x.is_floating_point() else fx != fy
+    return (f"{tuple(x.shape)} {x.dtype}: {int(diff.sum())} elements differ, first at {diff.nonzero()[:8].tolist()}; "
+            f"NaN: {nan[0]} on the leader, {nan[1]} on the follower")
 
 
 def replay_mtp_requests(pair, reference) -> None:
