@@ -89,9 +89,8 @@ def run_worker(args) -> int:
         worker.close()
         die(f"launch-pd: --http-port {opts.http_port}: cannot serve HTTP on {args.host}: {e}")
     extra = f", state {worker.receiver.address}" if args.role == "decode" else ""
-    import engine as engine_pkg
-    log.info("%s worker %s ready: requests tcp://%s:%d, http %d%s; host malloc thresholds: %s", args.role,
-             worker.instance_id, args.host, opts.port, opts.http_port, extra, engine_pkg.HOST_MALLOC)
+    log.info("%s worker %s ready: requests tcp://%s:%d, http %d%s", args.role, worker.instance_id, args.host,
+             opts.port, opts.http_port, extra)
     try:
         worker.run()
     finally:
